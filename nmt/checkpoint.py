@@ -1,0 +1,114 @@
+"""Self-describing checkpoints: atomic save, safe load (`weights_only=True`), averaging.
+
+A checkpoint is a dict of tensors and plain Python values: model and optimizer state, step,
+data position, RNG states, the resolved config, the tokenizer reference and the metrics
+history, so `nmt translate RUN_DIR` needs nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nmt import NMTError
+
+FORMAT = "nmt-checkpoint-1"
+
+
+def save(payload: dict[str, Any], path: Path) -> None:
+    """Write atomically: temporary file, flush + fsync, rename. A crash at any moment leaves
+    the previous file at `path` intact."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save({"format": FORMAT, **payload}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load(path: Path) -> dict[str, Any]:
+    """Load with `weights_only=True`; refuse files that need arbitrary code, truncated files
+    and files that are not nmt checkpoints, with one clear message."""
+    path = Path(path)
+    if not path.is_file():
+        raise NMTError(f"checkpoint not found: {path}")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # A pickled class or function, not just tensors. torch words this differently for an
+        # unknown class ("Unsupported global: GLOBAL x.Y") and a blocked module ("unsupported
+        # GLOBAL posix.system whose module posix is blocked"); both name the GLOBAL opcode.
+        if "GLOBAL" in str(e):
+            raise NMTError(
+                f"refusing {path}: it needs arbitrary code to load (weights_only=True failed); "
+                "only load checkpoints written by nmt"
+            ) from None
+        raise NMTError(f"cannot read checkpoint {path}: truncated or not a checkpoint") from None
+    except Exception as e:  # torch raises many types for truncated or foreign files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise NMTError(
+            f"cannot read checkpoint {path}: truncated or not a checkpoint ({first})"
+        ) from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise NMTError(f"{path} is not an nmt checkpoint (no {FORMAT!r} marker)")
+    return payload
+
+
+def resolve(path: Path) -> Path:
+    """A checkpoint file, or a run directory (its best, else last, checkpoint)."""
+    path = Path(path)
+    if path.is_dir():
+        for name in ("best.pt", "last.pt", "averaged.pt"):
+            candidate = path / "checkpoints" / name
+            if candidate.is_file():
+                return candidate
+        raise NMTError(f"no checkpoint in {path}/checkpoints; train a model there with `nmt train`")
+    if not path.exists():
+        raise NMTError(f"no such run directory or checkpoint: {path}")
+    return path
+
+
+def run_dir_of(checkpoint_path: Path) -> Path:
+    """checkpoints/best.pt -> the run directory."""
+    return checkpoint_path.resolve().parent.parent
+
+
+def step_checkpoints(run_dir: Path) -> list[Path]:
+    """Kept step checkpoints, oldest first."""
+    paths = (run_dir / "checkpoints").glob("step-*.pt")
+    return sorted(paths, key=lambda p: int(p.stem.split("-")[1]))
+
+
+def average(paths: list[Path]) -> dict[str, Any]:
+    """Average the model parameters of several checkpoints of the same run."""
+    if not paths:
+        raise NMTError("nothing to average: no checkpoints given")
+    payloads = [load(p) for p in paths]
+    first = payloads[0]
+    avg = {}
+    for key, value in first["model"].items():
+        if not value.is_floating_point():
+            avg[key] = value
+            continue
+        for p, other in zip(paths, payloads):
+            if key not in other["model"] or other["model"][key].shape != value.shape:
+                raise NMTError(f"cannot average {p}: its model differs from {paths[0]}")
+        avg[key] = (
+            sum(o["model"][key].double() for o in payloads).div(len(payloads)).to(value.dtype)
+        )
+    keep = {k: v for k, v in first.items() if k not in ("model", "optimizer", "format", "scaler")}
+    return {**keep, "model": avg, "averaged_from": [str(p) for p in paths]}

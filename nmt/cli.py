@@ -1,0 +1,566 @@
+"""The `nmt` command line. The only module that imports typer, configures logging and draws
+progress bars and tables."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import click
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.markup import escape
+from rich.table import Table
+
+from nmt import NMTError, __version__
+
+app = typer.Typer(
+    name="nmt",
+    help="Train, decode, evaluate and compare neural machine translation models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+out = Console()
+
+SET_HELP = "Override a recipe value, e.g. --set model.layers=4 (repeatable)."
+RUN_DIR_HELP = "Run directory (default: runs/<recipe-folder>_<recipe-name>)."
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(message)s",
+        handlers=[RichHandler(console=err, show_path=False, show_time=False)],
+        force=True,
+    )
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+
+
+def default_run_dir(recipe: Path) -> Path:
+    recipe = Path(recipe)
+    parent = recipe.resolve().parent.name
+    return Path("runs") / (f"{parent}_{recipe.stem}" if parent != "recipes" else recipe.stem)
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"nmt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Show the version and exit."
+    ),
+) -> None:
+    """Train, decode, evaluate and compare neural machine translation models."""
+
+
+def _load_config(recipe: Path, sets: list[str]):
+    from nmt import config
+
+    return config.load(recipe, sets)
+
+
+def prepare_table(summary: dict, padding: float | None) -> Table:
+    table = Table(title=f"prepared {summary['src']}→{summary['tgt']} ({summary['key']})")
+    for col in ("split", "source", "pairs", "src tokens/sent", "tgt tokens/sent"):
+        table.add_column(col, justify="right" if "tok" in col or col == "pairs" else "left")
+    for name, s in summary["splits"].items():
+        table.add_row(
+            name,
+            str(s["source"]),
+            f"{s['pairs']:,}",
+            f"{s['src_tokens_mean']:.1f}",
+            f"{s['tgt_tokens_mean']:.1f}",
+        )
+    d = summary["dropped"]
+    v = summary["vocab"]
+    sec = summary["seconds"]
+    table.caption = (
+        f"train read {summary['train_read']:,}; dropped: empty {d['empty']:,}, too long "
+        f"{d['too_long']:,}, ratio {d['ratio']:,}\n"
+        f"vocabulary: {'joint ' if v['joint'] else ''}src {v['src']:,} / tgt {v['tgt']:,}; "
+        f"time {sec['total']:.1f}s (tokenizer {sec['tokenizer']:.1f}s, encode {sec['encode']:.1f}s)"
+        + (f"\npadding in training batches: {padding:.1%}" if padding is not None else "")
+    )
+    return table
+
+
+def run_prepare(cfg, run_dir: Path):
+    """Prepare data for cfg, attach it to run_dir and print the summary."""
+    from nmt.data.batching import TokenBatches
+    from nmt.data.prepare import attach, prepare
+
+    with err.status("preparing data (download, tokenizer training, encoding)..."):
+        prepared = prepare(cfg)
+    attach(prepared, cfg, run_dir)
+    train = prepared.split("train")
+    padding = TokenBatches(
+        train.src_lens, train.tgt_lens, cfg.train.batch_tokens, cfg.train.seed
+    ).padding_fraction()
+    if prepared.reused:
+        err.print(f"prepared data is up to date ({prepared.dir}); nothing to do")
+    err.print(prepare_table(prepared.summary, padding))
+    return prepared
+
+
+@app.command()
+def prepare(
+    recipe: Path = typer.Argument(..., help="Recipe YAML file."),
+    run_dir: Path | None = typer.Option(None, "--run-dir", help=RUN_DIR_HELP),
+    sets: list[str] = typer.Option([], "--set", help=SET_HELP),
+) -> None:
+    """Load, clean, tokenize and cache the recipe's data; write the run directory's config."""
+    cfg = _load_config(recipe, sets)
+    run_prepare(cfg, run_dir or default_run_dir(recipe))
+
+
+class RichReporter:
+    """Draws training progress: step, epoch, loss, lr, tokens/s, grad norm, ETA to the budget."""
+
+    def __init__(self) -> None:
+        from rich.progress import (
+            BarColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.percentage:>3.0f}%"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[stats]}"),
+            console=err,
+            transient=False,
+        )
+        self.task = None
+        self.info: dict = {}
+
+    def start(self, info: dict) -> None:
+        self.info = info
+        err.print(
+            f"[bold]{info['arch']}[/]: {info['params']:,} parameters on {info['device']} in "
+            f"{info['precision']}, {info['world']} process(es); {info['train_pairs']:,} training pairs, "
+            f"{info['steps_per_epoch']:,} steps/epoch, padding {info['padding']:.1%}"
+            + (f"; resuming from step {info['resumed_from']}" if info["resumed_from"] else "")
+        )
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=1000, stats="")
+
+    def _fraction(self, record: dict) -> float:
+        parts = []
+        if self.info.get("total_steps"):
+            parts.append(record["step"] / self.info["total_steps"])
+        if self.info.get("max_minutes"):
+            parts.append(record["minutes"] / self.info["max_minutes"])
+        return min(1.0, max(parts) if parts else 0.0)
+
+    def log(self, record: dict) -> None:
+        stats = (
+            f"step {record['step']:,} ep {record['epoch']} loss {record['loss']:.3f} "
+            f"lr {record['lr']:.2e} {record['tokens_per_s']:,.0f} tok/s gnorm {record['grad_norm']:.2f}"
+        )
+        self.progress.update(self.task, completed=1000 * self._fraction(record), stats=stats)
+
+    def validation(self, record: dict) -> None:
+        table = Table(title=f"validation at step {record['step']:,}", show_edge=False)
+        cols = ["loss", "ppl"] + [k for k in ("bleu", "chrf") if k in record]
+        for c in cols:
+            table.add_column(c, justify="right")
+        table.add_column("best")
+        table.add_row(*[f"{record[c]:.2f}" for c in cols], "yes" if record["best"] else "")
+        self.progress.console.print(table)
+
+    def message(self, text: str) -> None:
+        self.progress.console.print(text)
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.progress.stop()
+
+
+@app.command()
+def train(
+    recipe: Path = typer.Argument(..., help="Recipe YAML file."),
+    run_dir: Path | None = typer.Option(None, "--run-dir", help=RUN_DIR_HELP),
+    sets: list[str] = typer.Option([], "--set", help=SET_HELP),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue the run in --run-dir from last.pt."
+    ),
+) -> None:
+    """Train the recipe's model (prepares the data first when it is missing or stale)."""
+    from nmt.train import check_run_dir
+    from nmt.train import train as run_train
+
+    cfg = _load_config(recipe, sets)
+    run_dir = run_dir or default_run_dir(recipe)
+    check_run_dir(run_dir, resume)
+    rank = int(os.environ.get("RANK", "0"))
+    if resume:
+        from nmt import config
+
+        saved = run_dir / "config.yaml"
+        if saved.is_file():  # the run's own config, with this invocation's overrides on top
+            cfg = config.load(saved, sets)
+    if rank == 0:
+        run_prepare(cfg, run_dir)
+    reporter = RichReporter() if rank == 0 else None
+    try:
+        result = run_train(cfg, run_dir, resume=resume, reporter=reporter)
+    finally:
+        if reporter:
+            reporter.stop()
+    if rank == 0:
+        p = result.progress
+        err.print(
+            f"{result.stop_reason} at step {p.step:,} ({p.seconds / 60:.1f} min, "
+            f"{p.tokens:,} target tokens); checkpoints in {run_dir / 'checkpoints'}"
+        )
+        if result.stop_reason.startswith("interrupted"):
+            err.print(f"resume with: nmt train {recipe} --run-dir {run_dir} --resume")
+        if result.stop_reason.startswith("stopped:"):
+            sys.exit(1)
+
+
+def _decode_device(device: str):
+    from nmt.device import resolve_device
+
+    return resolve_device(device)
+
+
+@app.command()
+def translate(
+    run: Path = typer.Argument(..., help="Run directory or checkpoint file."),
+    input: Path | None = typer.Option(None, "--input", "-i", help="Input file (default: stdin)."),
+    output: Path | None = typer.Option(
+        None, "--output", "-o", help="Output file (default: stdout)."
+    ),
+    beam: int | None = typer.Option(None, "--beam", help="Beam size (1 = greedy)."),
+    nbest: int | None = typer.Option(
+        None, "--nbest", help="Hypotheses per sentence (n-best format)."
+    ),
+    scores: bool = typer.Option(False, "--scores", help="Append the model score after a tab."),
+    batch_tokens: int | None = typer.Option(
+        None, "--batch-tokens", help="Source tokens x beam per batch."
+    ),
+    precision: str | None = typer.Option(None, "--precision", help="fp32, bf16, fp16 or auto."),
+    max_len_a: float | None = typer.Option(None, "--max-len-a"),
+    max_len_b: int | None = typer.Option(None, "--max-len-b"),
+    length_penalty: float | None = typer.Option(None, "--length-penalty", help="GNMT alpha."),
+    no_repeat_ngram: int | None = typer.Option(None, "--no-repeat-ngram"),
+    sample: bool = typer.Option(False, "--sample", help="Sample instead of searching."),
+    temperature: float = typer.Option(1.0, "--temperature"),
+    top_k: int = typer.Option(0, "--top-k"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: int = typer.Option(0, "--seed"),
+    attention_plot: Path | None = typer.Option(
+        None, "--attention-plot", help="PNG heatmap of source x target attention (one sentence)."
+    ),
+    device: str = typer.Option("auto", "--device"),
+) -> None:
+    """Translate lines from --input or stdin; one output line per input line."""
+    from nmt import config
+    from nmt.device import resolve_precision
+    from nmt.evaluate import load_model, search_options, translate_lines
+
+    dev = _decode_device(device)
+    loaded = load_model(run, dev)
+    overrides = [
+        f"decode.{k}={v}"
+        for k, v in {
+            "beam": beam,
+            "nbest": nbest,
+            "batch_tokens": batch_tokens,
+            "precision": precision,
+            "max_len_a": max_len_a,
+            "max_len_b": max_len_b,
+            "length_penalty": length_penalty,
+            "no_repeat_ngram": no_repeat_ngram,
+        }.items()
+        if v is not None
+    ]
+    if beam is not None and nbest is None:
+        overrides.append(f"decode.nbest={min(loaded.config.decode.nbest, beam)}")
+    d = config.replace(loaded.config, overrides).decode
+    prec = resolve_precision(d.precision, dev)
+    opts = search_options(
+        d,
+        sample=sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        beam=1 if sample else d.beam,
+    )
+
+    def emit(lines: list[str], sink) -> None:
+        results = translate_lines(
+            loaded.model, loaded.tokenizer, lines, opts, d.batch_tokens, dev, prec, tick
+        )
+        for i, nbest_list in enumerate(results):
+            if d.nbest > 1:
+                for text, hyp in nbest_list:
+                    sink.write(f"{i} ||| {text} ||| {hyp.score:.4f}\n")
+                continue
+            text, hyp = nbest_list[0] if nbest_list else ("", None)
+            sink.write(f"{text}\t{hyp.score:.4f}\n" if scores and hyp else f"{text}\n")
+        sink.flush()
+
+    tick = None
+    if input is None and sys.stdin.isatty() and attention_plot is None:
+        err.print("[dim]interactive: type a sentence and press enter (Ctrl-D to quit)[/]")
+        for line in sys.stdin:
+            emit([line.rstrip("\n")], sys.stdout)
+        return
+    if input is not None and not input.is_file():
+        raise NMTError(f"input file not found: {input}")
+    text = input.read_text(encoding="utf-8") if input else sys.stdin.read()
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    if attention_plot is not None:
+        _attention_plot(loaded, lines, opts, dev, prec, attention_plot)
+    from rich.progress import Progress
+
+    with Progress(console=err, transient=True, disable=input is None) as bar:
+        task = bar.add_task("translating", total=len(lines))
+
+        def tick(n: int) -> None:
+            bar.advance(task, n)
+
+        if output is None:
+            emit(lines, sys.stdout)
+        else:
+            tmp = output.with_name(f".{output.name}.tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                emit(lines, f)
+            tmp.replace(output)
+
+
+def _attention_plot(loaded, lines: list[str], opts, dev, prec, path: Path) -> None:
+    import torch
+
+    from nmt.device import autocast
+    from nmt.evaluate import translate_lines
+    from nmt.plots import attention_heatmap
+    from nmt.search import force_decode
+    from nmt.special import EOS_ID
+
+    if len([ln for ln in lines if ln.strip()]) != 1:
+        raise NMTError("--attention-plot needs exactly one input sentence")
+    line = next(ln for ln in lines if ln.strip()).strip()
+    (text, hyp), *_ = translate_lines(
+        loaded.model, loaded.tokenizer, [line], opts, 10_000, dev, prec
+    )[0]
+    ids = loaded.tokenizer.encode_src([line])[0]
+    src = torch.tensor([ids + [EOS_ID]], device=dev)
+    with autocast(dev, prec):
+        _, attention = force_decode(loaded.model, src, src != 0, hyp.tokens)
+    if attention is None:
+        raise NMTError(
+            f"the {loaded.payload['arch']} model has no attention (it reads the source through one "
+            "fixed context vector); use an rnn_attention or transformer run"
+        )
+    src_labels = loaded.tokenizer.src_pieces(line) + ["</s>"]
+    tgt_labels = loaded.tokenizer.tgt_pieces(hyp.tokens) + ["</s>"]
+    attention_heatmap(attention.cpu().numpy(), src_labels, tgt_labels, path, title=text)
+    err.print(f"attention heatmap written to {path}")
+
+
+@app.command()
+def evaluate(
+    run: Path | None = typer.Argument(None, help="Run directory or checkpoint to translate with."),
+    split: str | None = typer.Option(
+        None, "--split", help="Prepared split to translate and score."
+    ),
+    hyp: Path | None = typer.Option(None, "--hyp", help="Existing hypotheses file."),
+    ref: list[Path] = typer.Option([], "--ref", help="Reference file (repeatable)."),
+    compare_hyp: Path | None = typer.Option(
+        None, "--compare-hyp", help="Second system: paired bootstrap against it."
+    ),
+    beam: int | None = typer.Option(None, "--beam"),
+    precision: str | None = typer.Option(None, "--precision"),
+    bootstrap_samples: int = typer.Option(1000, "--bootstrap-samples"),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    device: str = typer.Option("auto", "--device"),
+) -> None:
+    """Score translations with sacreBLEU (BLEU, chrF, TER): a run on a split, or files."""
+    import json
+
+    from nmt.evaluate import evaluate_run, paired_bootstrap, read_text_lines, score
+
+    if run is not None:
+        if hyp is not None:
+            raise NMTError("give either a run directory or --hyp, not both")
+        hyps, refs, hyp_path = evaluate_run(
+            run, split, beam, precision, _decode_device(device), err
+        )
+        refs_list = [refs]
+    else:
+        if hyp is None or not ref:
+            raise NMTError("give a run directory (with --split), or --hyp FILE and --ref FILE")
+        hyps = read_text_lines(hyp)
+        refs_list = [read_text_lines(r) for r in ref]
+        for r, lines in zip(ref, refs_list):
+            if len(lines) != len(hyps):
+                raise NMTError(
+                    f"line counts differ: {hyp} has {len(hyps)} lines, {r} has {len(lines)}; "
+                    "hypotheses and references must be line-aligned"
+                )
+        hyp_path = hyp
+    result = score(hyps, refs_list)
+    if compare_hyp is not None:
+        other = read_text_lines(compare_hyp)
+        if len(other) != len(hyps):
+            raise NMTError(
+                f"line counts differ: {compare_hyp} has {len(other)} lines, {hyp_path} has {len(hyps)}"
+            )
+        bs = paired_bootstrap(other, {"system": hyps}, refs_list, bootstrap_samples)
+        result["bootstrap"] = {
+            "system": bs["system"],
+            "compare": bs["baseline"],
+            "n_samples": bootstrap_samples,
+        }
+    if json_out:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    table = Table(title=f"{result['n_sentences']:,} sentences")
+    for col in ("metric", "score", "signature"):
+        table.add_column(col)
+    for name in ("bleu", "chrf", "ter"):
+        table.add_row(name.upper(), f"{result[name]['score']:.2f}", result[name]["signature"])
+    out.print(table)
+    if "bootstrap" in result:
+        bt = Table(title=f"paired bootstrap ({bootstrap_samples} samples) against {compare_hyp}")
+        for col in ("system", "BLEU (95% CI)", "chrF (95% CI)", "p (BLEU)", "p (chrF)"):
+            bt.add_column(col)
+        for name, label in (("system", str(hyp_path)), ("compare", str(compare_hyp))):
+            r = result["bootstrap"][name]
+            bt.add_row(
+                label,
+                f"{r['bleu']['score']:.2f} [{r['bleu']['ci_low']:.2f}, {r['bleu']['ci_high']:.2f}]",
+                f"{r['chrf']['score']:.2f} [{r['chrf']['ci_low']:.2f}, {r['chrf']['ci_high']:.2f}]",
+                "" if r["bleu"]["p_value"] is None else f"{r['bleu']['p_value']:.4f}",
+                "" if r["chrf"]["p_value"] is None else f"{r['chrf']['p_value']:.4f}",
+            )
+        out.print(bt)
+
+
+@app.command()
+def average(
+    run: Path = typer.Argument(..., help="Run directory."),
+    last: int = typer.Option(0, "--last", help="Average the last K step checkpoints."),
+    checkpoints: list[Path] = typer.Option(
+        [], "--checkpoint", help="Explicit checkpoint (repeatable)."
+    ),
+    output: Path | None = typer.Option(
+        None, "--output", help="Default: RUN/checkpoints/averaged.pt"
+    ),
+) -> None:
+    """Average model parameters of several checkpoints into one."""
+    from nmt import checkpoint
+
+    paths = list(checkpoints)
+    if last:
+        kept = checkpoint.step_checkpoints(run)
+        if len(kept) < last:
+            raise NMTError(f"{run} keeps {len(kept)} step checkpoints, fewer than --last {last}")
+        paths += kept[-last:]
+    if not paths:
+        raise NMTError("say what to average: --last K or --checkpoint PATH (repeatable)")
+    target = output or run / "checkpoints" / "averaged.pt"
+    checkpoint.save(checkpoint.average(paths), target)
+    err.print(f"averaged {len(paths)} checkpoints into {target}")
+
+
+@app.command()
+def compare(
+    recipes: list[Path] = typer.Argument(..., help="Recipe YAML files to compare."),
+    out_dir: Path = typer.Option(Path("runs/compare"), "--out", help="Report directory."),
+    budget: float | None = typer.Option(
+        None, "--budget", help="Training minutes for every recipe (overrides train.max_minutes)."
+    ),
+    sets: list[str] = typer.Option([], "--set", help=SET_HELP + " Applies to every recipe."),
+    bootstrap_samples: int = typer.Option(1000, "--bootstrap-samples"),
+) -> None:
+    """Train (or reuse) each recipe, evaluate all on the same test sets, write report + plots."""
+    from nmt.compare import compare as run_compare
+
+    for recipe in recipes:
+        _load_config(recipe, sets)  # fail fast on a bad recipe before any training
+    report = run_compare(
+        recipes,
+        out_dir,
+        sets,
+        budget,
+        reporter_factory=RichReporter,
+        say=lambda text: err.print(f"[bold cyan]{text}[/]"),
+        bootstrap_samples=bootstrap_samples,
+    )
+    for split in report["splits"]:
+        table = Table(title=f"{split} (report: {out_dir / 'report.md'})")
+        for col in (
+            "system",
+            "params",
+            "train min",
+            "steps",
+            "tok/s",
+            "valid BLEU",
+            "BLEU [95% CI]",
+            "p",
+            "chrF",
+            "sent/s",
+        ):
+            table.add_column(col, justify="left" if col == "system" else "right")
+        for r in report["systems"]:
+            t = r["test"][split]
+            b = t["bleu"]
+            table.add_row(
+                f"{r['name']} ({r['arch']})",
+                f"{r['params']:,}",
+                f"{r['train_minutes']:.1f}",
+                f"{r['steps']:,}",
+                f"{r['train_tokens_per_s']:,.0f}",
+                "–" if r["best_valid_bleu"] is None else f"{r['best_valid_bleu']:.1f}",
+                f"{b['score']:.1f} [{b['ci_low']:.1f}, {b['ci_high']:.1f}]",
+                "best" if t["best"] else f"{b['p_value_vs_best']:.3f}",
+                f"{t['chrf']['score']:.1f}",
+                f"{r['decode_sentences_per_s']:.1f}",
+            )
+        out.print(table)
+
+
+def main() -> None:
+    _setup_logging(verbose=bool(os.environ.get("NMT_DEBUG")))
+    try:
+        app(standalone_mode=False)
+    except NMTError as e:
+        err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except click.exceptions.ClickException as e:
+        e.show()
+        sys.exit(2 if e.exit_code in (1, 2) else e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()

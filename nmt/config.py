@@ -1,0 +1,407 @@
+"""Typed, frozen recipe configuration: YAML file + dotted `--set` overrides.
+
+A recipe has five sections: `data`, `tokenizer`, `model`, `train`, `decode`. Every key is
+checked against the dataclass of its section: an unknown key, a wrong type or an invalid
+value raises `ConfigError` naming the key and the valid choices. The `model` section is
+typed by the dataclass that the registry pairs with `model.arch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from nmt import NMTError
+from nmt.models.registry import ARCHITECTURES, ModelConfig
+
+MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML with YAML 1.2 booleans: only true/false; `no`, `yes`, `on`, `off` stay strings
+    (`no` is the language code of Norwegian)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+class ConfigError(NMTError):
+    pass
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the parallel corpus comes from and how it is cleaned."""
+
+    source: Literal["multi30k", "text", "tsv", "jsonl", "hub"] = "multi30k"
+    src: str = "en"
+    tgt: str = "de"
+    # Split names for named corpora and hub datasets; path prefixes (`PREFIX.{src,tgt}[.gz]`)
+    # for `text`; file paths for `tsv`/`jsonl`.
+    train: str = "train"
+    valid: str = "val"
+    test: tuple[str, ...] = ("test_2016_flickr", "test_2017_flickr")
+    local_dir: str | None = (
+        None  # local copy of a named corpus; else $NMT_DATA_DIR/NAME, else download
+    )
+    download_url: str = MULTI30K_URL
+    hub_name: str | None = None  # `datasets.load_dataset` path (Hub id or local dataset directory)
+    hub_config: str | None = None
+    src_field: str | None = None  # tsv header / jsonl key of the source side (default: data.src)
+    tgt_field: str | None = None
+    max_len: int = 128  # drop training pairs with more subword tokens than this on either side
+    max_ratio: float = 3.0  # drop training pairs whose subword length ratio exceeds this
+    limit_train: int | None = None  # keep only the first N training pairs (tiny recipes, tests)
+    limit_valid: int | None = None
+    limit_test: int | None = None  # keep only the first N pairs of each test split
+    num_proc: int = 1
+    cache_dir: str | None = None  # prepared-data cache; default $NMT_CACHE_DIR or ~/.cache/nmt
+
+    def __post_init__(self) -> None:
+        _check(self.max_len > 0, "data.max_len", "must be a positive integer")
+        _check(self.max_ratio >= 1.0, "data.max_ratio", "must be >= 1.0")
+        _check(self.num_proc >= 1, "data.num_proc", "must be >= 1")
+        _check(self.src != self.tgt, "data.tgt", f"must differ from data.src ({self.src!r})")
+        for key in ("limit_train", "limit_valid", "limit_test"):
+            value = getattr(self, key)
+            _check(value is None or value > 0, f"data.{key}", "must be a positive integer or null")
+        if self.source == "hub":
+            _check(
+                self.hub_name is not None, "data.hub_name", "is required when data.source is hub"
+            )
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """Sentencepiece subwords, trained on the training split only."""
+
+    type: Literal["bpe", "unigram"] = "bpe"
+    joint: bool = True  # one vocabulary for both sides (required for tied embeddings)
+    vocab_size: int = 8000
+    character_coverage: float = 1.0
+    input_sentence_size: int = 2_000_000  # sentences sampled for training on large corpora
+
+    def __post_init__(self) -> None:
+        _check(self.vocab_size >= 16, "tokenizer.vocab_size", "must be >= 16")
+        _check(
+            0.9 <= self.character_coverage <= 1.0,
+            "tokenizer.character_coverage",
+            "must be between 0.9 and 1.0",
+        )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, budgets, precision, validation and checkpointing."""
+
+    seed: int = 1234
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    compile: bool = False
+    batch_tokens: int = 4096  # max tokens per batch, padding included
+    accumulate: int = 1
+    optimizer: Literal["adam", "adamw"] = "adam"
+    lr: float = 5e-4
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-9
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0  # 0 disables clipping
+    schedule: Literal["inverse_sqrt", "cosine", "plateau", "constant"] = "inverse_sqrt"
+    warmup_steps: int = 1000
+    min_lr: float = 0.0
+    plateau_factor: float = 0.5
+    plateau_patience: int = 2
+    label_smoothing: float = 0.1
+    max_steps: int | None = None
+    max_epochs: int | None = None
+    max_minutes: float | None = None
+    log_every: int = 50
+    valid_every: int = 1000  # steps; validation also runs at the end of training
+    valid_bleu: bool = True  # decode the validation split and score BLEU/chrF
+    valid_beam: int = 1
+    valid_max_sentences: int | None = None
+    early_stop_metric: Literal["bleu", "chrf", "loss"] = "bleu"
+    patience: int | None = None  # validations without improvement before stopping
+    save_every: int = 1000
+    keep_last: int = 3
+    max_nonfinite: int = 10  # consecutive non-finite losses before training stops
+    tensorboard: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.batch_tokens >= 16, "train.batch_tokens", "must be >= 16")
+        _check(self.accumulate >= 1, "train.accumulate", "must be >= 1")
+        _check(self.lr > 0, "train.lr", "must be > 0")
+        _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing", "must be in [0, 1)")
+        _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        _check(
+            any(x is not None for x in (self.max_steps, self.max_epochs, self.max_minutes)),
+            "train.max_steps",
+            "set at least one budget: train.max_steps, train.max_epochs or train.max_minutes",
+        )
+        for key in ("max_steps", "max_epochs", "log_every", "valid_every", "save_every"):
+            value = getattr(self, key)
+            _check(value is None or value > 0, f"train.{key}", "must be a positive integer")
+        _check(self.max_minutes is None or self.max_minutes > 0, "train.max_minutes", "must be > 0")
+        _check(self.keep_last >= 0, "train.keep_last", "must be >= 0")
+        _check(self.valid_beam >= 1, "train.valid_beam", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Search settings used by validation, `nmt translate`, `nmt evaluate` and `nmt compare`."""
+
+    beam: int = 5
+    nbest: int = 1
+    length_penalty: float = 1.0  # GNMT alpha; 0 = raw log-probability
+    max_len_a: float = 1.5
+    max_len_b: int = 10
+    min_len: int = 1
+    no_repeat_ngram: int = 0
+    batch_tokens: int = 6000
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+
+    def __post_init__(self) -> None:
+        _check(self.beam >= 1, "decode.beam", "must be >= 1")
+        _check(1 <= self.nbest <= self.beam, "decode.nbest", "must be between 1 and decode.beam")
+        _check(self.max_len_a >= 0 and self.max_len_b >= 1, "decode.max_len_b", "must be >= 1")
+        _check(self.batch_tokens >= 16, "decode.batch_tokens", "must be >= 16")
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=lambda: ARCHITECTURES["transformer"].config())
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(max_steps=1000))
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in ("data", "tokenizer", "model", "train", "decode"):
+            section = _plain(dataclasses.asdict(getattr(self, name)))
+            if name == "model":
+                section = {"arch": arch_of(self.model), **section}
+            out[name] = section
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+
+    def data_key(self) -> str:
+        """Hash of everything that determines the prepared data (data + tokenizer sections)."""
+        d = self.to_dict()
+        payload = {"data": dict(d["data"]), "tokenizer": d["tokenizer"]}
+        for volatile in ("num_proc", "cache_dir", "local_dir", "download_url"):
+            payload["data"].pop(volatile)
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "tokenizer": TokenizerConfig,
+    "train": TrainConfig,
+    "decode": DecodeConfig,
+}
+
+
+def arch_of(model_config: ModelConfig) -> str:
+    for name, entry in ARCHITECTURES.items():
+        if type(model_config) is entry.config:
+            return name
+    raise ConfigError(f"model config {type(model_config).__name__} is not registered")
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"invalid value for {key}: {message}")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check `value` against the annotation `tp`; return it in canonical form."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"bad value for {key}: {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(
+                f"bad value for {key}: {value!r}; valid choices: {', '.join(map(str, choices))}"
+            )
+        return value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if isinstance(value, str) and args[-1] is Ellipsis:
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"bad type for {key}: expected a list, got {value!r}")
+        if args[-1] is Ellipsis:
+            return tuple(_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(f"bad value for {key}: expected {len(args)} items, got {value!r}")
+        return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"bad type for {key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"bad type for {key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # PyYAML reads exponents without a dot (1e-4) as strings
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"bad type for {key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"bad type for {key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"bad type for {key}: cannot read {value!r} as {_type_name(tp)}")
+
+
+def build_section(cls: type, values: dict[str, Any], prefix: str) -> Any:
+    """Instantiate dataclass `cls` from a mapping, rejecting unknown keys and bad types."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"bad type for {prefix}: expected a mapping of keys, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(
+                f"unknown key {prefix}.{key}; valid keys in {prefix}: {', '.join(names)}"
+            )
+        kwargs[key] = _coerce(f"{prefix}.{key}", value, hints[key])
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # models' own __post_init__ checks
+        raise ConfigError(f"invalid value in {prefix}: {e}") from None
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            "a recipe must be a YAML mapping with sections data, tokenizer, model, train, decode"
+        )
+    valid = ["data", "tokenizer", "model", "train", "decode"]
+    for key in raw:
+        if key not in valid:
+            raise ConfigError(f"unknown key {key}; valid sections: {', '.join(valid)}")
+        if raw[key] is not None and not isinstance(raw[key], dict):
+            raise ConfigError(f"bad type for {key}: expected a mapping of keys, got {raw[key]!r}")
+    sections: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        values = raw.get(name) or {}
+        if name == "train" and not any(
+            k in values for k in ("max_steps", "max_epochs", "max_minutes")
+        ):
+            values = {**values, "max_steps": 1000}
+        sections[name] = build_section(cls, values, name)
+    model_raw = dict(raw.get("model") or {})
+    arch = model_raw.pop("arch", "transformer")
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
+        raise ConfigError(
+            f"bad value for model.arch: {arch!r}; valid choices: {', '.join(ARCHITECTURES)}"
+        )
+    sections["model"] = build_section(ARCHITECTURES[arch].config, model_raw, "model")
+    return Config(**sections)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"bad override {item!r}: write --set section.key=value")
+    key, _, text = item.partition("=")
+    parts = key.strip().split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"bad override {item!r}: write --set section.key=value")
+    try:
+        value = yaml.load(text, Loader=_Loader) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    return parts, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    raw = json.loads(json.dumps(raw))  # deep copy
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = raw
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"bad override {item!r}: {part} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"recipe not found: {path} (give the path to a recipe YAML file)")
+    try:
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        first = str(e).strip().splitlines()[0]
+        raise ConfigError(f"cannot parse recipe {path}: {first}") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(
+            f"cannot parse recipe {path}: expected a mapping with sections data, tokenizer, "
+            "model, train, decode"
+        )
+    return raw or {}
+
+
+def load(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Load a recipe file and apply `section.key=value` overrides."""
+    raw = read_yaml(Path(path))
+    return from_dict(apply_overrides(raw, overrides or []))
+
+
+def replace(cfg: Config, overrides: list[str]) -> Config:
+    return from_dict(apply_overrides(cfg.to_dict(), overrides))

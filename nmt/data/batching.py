@@ -1,0 +1,181 @@
+"""Token-budget batching: bucketed by length, deterministic per (seed, epoch), resumable,
+shardable across distributed ranks.
+
+An example costs `max(src_len + 1, tgt_len + 1)` positions (EOS on the source; BOS/EOS
+shifted on the target); a batch costs `size * max cost`, padding included, and never exceeds
+the budget unless a single example does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import torch
+from torch import Tensor
+
+from nmt.special import BOS_ID, EOS_ID, PAD_ID
+
+
+@dataclass
+class Batch:
+    src: Tensor  # [B,S] ids + EOS, right-padded
+    src_mask: Tensor  # [B,S] True at real tokens
+    tgt_in: Tensor  # [B,T] BOS + ids
+    tgt_out: Tensor  # [B,T] ids + EOS (PAD where tgt_in is padding)
+    indices: np.ndarray  # [B] example indices in the split
+    tgt_tokens: int  # real target tokens (loss positions)
+
+    def to(self, device: torch.device) -> Batch:
+        nb = device.type == "cuda"
+        return Batch(
+            self.src.to(device, non_blocking=nb),
+            self.src_mask.to(device, non_blocking=nb),
+            self.tgt_in.to(device, non_blocking=nb),
+            self.tgt_out.to(device, non_blocking=nb),
+            self.indices,
+            self.tgt_tokens,
+        )
+
+
+def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    offsets = array.offsets.to_numpy().astype(np.int64)
+    values = array.values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    return offsets - offsets[0], values[offsets[0] : offsets[-1]] if len(offsets) else values
+
+
+class EncodedSplit:
+    """Token ids of one prepared split in flat arrays (ids of row i: values[off[i]:off[i+1]])."""
+
+    def __init__(self, ds: datasets.Dataset) -> None:
+        table = ds.flatten_indices().data.table if ds._indices is not None else ds.data.table
+        self.src_offsets, self.src_values = _flat(table.column("src_ids"))
+        self.tgt_offsets, self.tgt_values = _flat(table.column("tgt_ids"))
+        self.src_lens = np.diff(self.src_offsets)
+        self.tgt_lens = np.diff(self.tgt_offsets)
+        self.dataset = ds
+
+    @classmethod
+    def load(cls, path: Path) -> EncodedSplit:
+        return cls(datasets.load_from_disk(str(path)))
+
+    def __len__(self) -> int:
+        return len(self.src_lens)
+
+    def texts(self, column: str) -> list[str]:
+        return list(self.dataset[column])  # datasets returns a lazy Column, not a list
+
+    def src_ids(self, i: int) -> np.ndarray:
+        return self.src_values[self.src_offsets[i] : self.src_offsets[i + 1]]
+
+    def tgt_ids(self, i: int) -> np.ndarray:
+        return self.tgt_values[self.tgt_offsets[i] : self.tgt_offsets[i + 1]]
+
+    def collate(self, indices: np.ndarray) -> Batch:
+        b = len(indices)
+        s = int(self.src_lens[indices].max()) + 1
+        t = int(self.tgt_lens[indices].max()) + 1
+        src = np.full((b, s), PAD_ID, dtype=np.int64)
+        tgt_in = np.full((b, t), PAD_ID, dtype=np.int64)
+        tgt_out = np.full((b, t), PAD_ID, dtype=np.int64)
+        for row, i in enumerate(indices):
+            x, y = self.src_ids(i), self.tgt_ids(i)
+            src[row, : len(x)] = x
+            src[row, len(x)] = EOS_ID
+            tgt_in[row, 0] = BOS_ID
+            tgt_in[row, 1 : len(y) + 1] = y
+            tgt_out[row, : len(y)] = y
+            tgt_out[row, len(y)] = EOS_ID
+        src_t = torch.from_numpy(src)
+        return Batch(
+            src=src_t,
+            src_mask=src_t != PAD_ID,
+            tgt_in=torch.from_numpy(tgt_in),
+            tgt_out=torch.from_numpy(tgt_out),
+            indices=np.asarray(indices),
+            tgt_tokens=int(self.tgt_lens[indices].sum()) + b,
+        )
+
+
+def pack(order: np.ndarray, costs: np.ndarray, budget: int) -> list[np.ndarray]:
+    """Greedily cut `order` (sorted by cost) into batches with size * max cost <= budget."""
+    batches: list[np.ndarray] = []
+    start, longest = 0, 0
+    for pos, i in enumerate(order):
+        c = int(costs[i])
+        new_longest = max(longest, c)
+        if pos > start and (pos - start + 1) * new_longest > budget:
+            batches.append(order[start:pos])
+            start, new_longest = pos, c
+        longest = new_longest
+    if start < len(order):
+        batches.append(order[start:])
+    return batches
+
+
+class TokenBatches:
+    """The batches of each epoch for one rank.
+
+    Each epoch: a random permutation from (seed, epoch) breaks ties, examples are sorted by
+    (source, target) length and packed to the token budget, then batch order is shuffled.
+    Every rank computes the same list and takes every `world`-th batch; the list is first
+    made divisible by `world` by splitting the largest batches, so each example appears
+    exactly once per epoch across ranks and every rank takes the same number of steps.
+    """
+
+    def __init__(
+        self,
+        src_lens: np.ndarray,
+        tgt_lens: np.ndarray,
+        batch_tokens: int,
+        seed: int,
+        shuffle: bool = True,
+        rank: int = 0,
+        world: int = 1,
+    ) -> None:
+        self.src_lens = np.asarray(src_lens)
+        self.tgt_lens = np.asarray(tgt_lens)
+        self.costs = np.maximum(self.src_lens, self.tgt_lens) + 1
+        self.batch_tokens = batch_tokens
+        self.seed, self.shuffle, self.rank, self.world = seed, shuffle, rank, world
+        if len(self.costs) < world:
+            raise ValueError(f"{len(self.costs)} examples cannot be shared by {world} ranks")
+
+    def all_batches(self, epoch: int) -> list[np.ndarray]:
+        """The whole epoch's batches (all ranks) in the order they are consumed."""
+        n = len(self.costs)
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, epoch])
+            perm = rng.permutation(n)
+            order = perm[np.lexsort((self.tgt_lens[perm], self.src_lens[perm]))]
+        else:
+            order = np.lexsort((np.arange(n), self.tgt_lens, self.src_lens))
+        batches = pack(order, self.costs, self.batch_tokens)
+        while len(batches) % self.world:
+            largest = max(range(len(batches)), key=lambda k: len(batches[k]))
+            half = len(batches[largest]) // 2
+            if half == 0:
+                raise ValueError(
+                    f"{len(self.costs)} examples cannot be shared by {self.world} ranks"
+                )
+            batches[largest : largest + 1] = [batches[largest][:half], batches[largest][half:]]
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, epoch, 1])
+            batches = [batches[k] for k in rng.permutation(len(batches))]
+        return batches
+
+    def epoch(self, epoch: int, start: int = 0) -> list[np.ndarray]:
+        """This rank's batches of `epoch`, from its `start`-th batch on (resume)."""
+        return self.all_batches(epoch)[self.rank :: self.world][start:]
+
+    def padding_fraction(self, epoch: int = 0) -> float:
+        """Share of padded positions (source and target) in an epoch's batches."""
+        real = padded = 0
+        for batch in self.all_batches(epoch):
+            real += int(self.src_lens[batch].sum() + self.tgt_lens[batch].sum()) + 2 * len(batch)
+            padded += len(batch) * int(self.src_lens[batch].max() + self.tgt_lens[batch].max() + 2)
+        return 1.0 - real / padded if padded else 0.0

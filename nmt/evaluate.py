@@ -1,0 +1,248 @@
+"""Translate lines or prepared splits with a trained model, and score with sacreBLEU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import sacrebleu
+import torch
+
+from nmt import NMTError, checkpoint
+from nmt.config import Config, DecodeConfig, from_dict
+from nmt.data.tokenizer import Tokenizer
+from nmt.device import autocast
+from nmt.models.base import Vocab
+from nmt.models.registry import build_model
+from nmt.search import Hypothesis, SearchOptions, search
+from nmt.special import EOS_ID, PAD_ID
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module
+    config: Config
+    tokenizer: Tokenizer
+    run_dir: Path
+    checkpoint: Path
+    payload: dict[str, Any]
+
+
+def load_model(path: Path, device: torch.device) -> Loaded:
+    """Model, config and tokenizer from a run directory or a checkpoint file."""
+    ckpt = checkpoint.resolve(Path(path))
+    payload = checkpoint.load(ckpt)
+    cfg = from_dict(payload["config"])
+    run_dir = checkpoint.run_dir_of(ckpt)
+    tokenizer = Tokenizer.from_dir(run_dir / "tokenizer")
+    model = build_model(payload["arch"], cfg.model, Vocab(**payload["vocab"]))
+    model.load_state_dict(payload["model"])
+    model.to(device).eval()
+    return Loaded(model, cfg, tokenizer, run_dir, ckpt, payload)
+
+
+def search_options(d: DecodeConfig, **overrides: Any) -> SearchOptions:
+    base = {
+        "beam": d.beam,
+        "nbest": d.nbest,
+        "length_penalty": d.length_penalty,
+        "max_len_a": d.max_len_a,
+        "max_len_b": d.max_len_b,
+        "min_len": d.min_len,
+        "no_repeat_ngram": d.no_repeat_ngram,
+    }
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    return SearchOptions(**base)
+
+
+def decode_ids(
+    model: torch.nn.Module,
+    sources: list[list[int]],
+    opts: SearchOptions,
+    batch_tokens: int,
+    device: torch.device,
+    precision: str,
+    progress: Callable[[int], None] | None = None,
+) -> list[list[Hypothesis]]:
+    """Decode token-id sources (without EOS) in length-sorted batches; results in input order."""
+    lengths = np.array([len(s) + 1 for s in sources])
+    order = np.argsort(lengths, kind="stable")
+    results: list[list[Hypothesis]] = [[] for _ in sources]
+    start = 0
+    model.eval()
+    with torch.no_grad(), autocast(device, precision):
+        while start < len(order):
+            # Sentences sorted by length: grow the batch while it fits the token budget.
+            end = start + 1
+            while (
+                end < len(order)
+                and (end - start + 1) * lengths[order[end]] * opts.beam <= batch_tokens
+            ):
+                end += 1
+            idx = order[start:end]
+            width = int(lengths[idx].max())
+            src = torch.full((len(idx), width), PAD_ID, dtype=torch.long)
+            for row, i in enumerate(idx):
+                src[row, : len(sources[i])] = torch.as_tensor(sources[i], dtype=torch.long)
+                src[row, len(sources[i])] = EOS_ID
+            src = src.to(device)
+            for i, hyps in zip(idx, search(model, src, src != PAD_ID, opts)):
+                results[int(i)] = hyps
+            if progress:
+                progress(len(idx))
+            start = end
+    return results
+
+
+def translate_lines(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    lines: list[str],
+    opts: SearchOptions,
+    batch_tokens: int,
+    device: torch.device,
+    precision: str,
+    progress: Callable[[int], None] | None = None,
+) -> list[list[tuple[str, Hypothesis]]]:
+    """n-best (text, hypothesis) per input line; empty lines give an empty list."""
+    stripped = [line.strip() for line in lines]
+    todo = [i for i, line in enumerate(stripped) if line]
+    ids = tokenizer.encode_src([stripped[i] for i in todo])
+    hyps = decode_ids(model, ids, opts, batch_tokens, device, precision, progress)
+    out: list[list[tuple[str, Hypothesis]]] = [[] for _ in lines]
+    for i, nbest in zip(todo, hyps):
+        texts = tokenizer.decode_tgt([h.tokens for h in nbest])
+        out[i] = list(zip(texts, nbest))
+    return out
+
+
+def translate_texts(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    lines: list[str],
+    d: DecodeConfig,
+    device: torch.device,
+    precision: str,
+    beam: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Best translation of every line with decoding settings `d` (beam overridable)."""
+    opts = search_options(d, beam=beam, nbest=1)
+    results = translate_lines(
+        model, tokenizer, lines, opts, d.batch_tokens, device, precision, progress
+    )
+    return [nbest[0][0] if nbest else "" for nbest in results]
+
+
+def score(hyps: list[str], refs: list[list[str]]) -> dict[str, Any]:
+    """BLEU, chrF and TER with their sacreBLEU signatures. refs: one list per reference set."""
+    for k, ref in enumerate(refs):
+        if len(ref) != len(hyps):
+            raise NMTError(
+                f"line counts differ: {len(hyps)} hypotheses but reference {k + 1} has {len(ref)} lines"
+            )
+    out: dict[str, Any] = {"n_sentences": len(hyps)}
+    for name, metric in (
+        ("bleu", sacrebleu.BLEU()),
+        ("chrf", sacrebleu.CHRF()),
+        ("ter", sacrebleu.TER()),
+    ):
+        result = metric.corpus_score(hyps, refs)
+        out[name] = {"score": float(result.score), "signature": str(metric.get_signature())}
+    return out
+
+
+def paired_bootstrap(
+    baseline: list[str], systems: dict[str, list[str]], refs: list[list[str]], n_samples: int = 1000
+) -> dict[str, dict[str, Any]]:
+    """sacreBLEU's paired bootstrap resampling: 95% CIs and p-values against `baseline`.
+
+    Returns per system (baseline included) and metric: score, ci_low, ci_high, p_value.
+    """
+    from sacrebleu.significance import PairedTest
+
+    named = [("baseline", baseline), *systems.items()]
+    metrics = {"bleu": sacrebleu.BLEU(), "chrf": sacrebleu.CHRF()}
+    test = PairedTest(named, metrics, references=refs, test_type="bs", n_samples=n_samples)
+    _, results = test()
+    out: dict[str, dict[str, Any]] = {}
+    columns = [k for k in results if k != "System"]  # sacreBLEU's own metric names, in order
+    for metric, column in zip(metrics, columns):
+        for (name, _), res in zip(named, results[column]):
+            mean = float(res.mean) if res.mean is not None else float(res.score)
+            ci = float(res.ci) if res.ci is not None else 0.0
+            out.setdefault(name, {})[metric] = {
+                "score": float(res.score),
+                "ci_low": mean - ci,
+                "ci_high": mean + ci,
+                "p_value": None if res.p_value is None else float(res.p_value),
+            }
+    return out
+
+
+def read_text_lines(path: Path) -> list[str]:
+    """Lines of a UTF-8 file (a final newline does not add an empty line)."""
+    if not Path(path).is_file():
+        raise NMTError(f"file not found: {path}")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = Path(path).read_bytes()[: e.start].count(b"\n") + 1
+        raise NMTError(
+            f"{path}, line {line}: bytes that are not UTF-8; re-encode the file"
+        ) from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return lines
+
+
+def evaluate_run(
+    run: Path,
+    split: str | None,
+    beam: int | None,
+    precision: str | None,
+    device: torch.device,
+    console: Any = None,
+) -> tuple[list[str], list[str], Path]:
+    """Translate a prepared split with a run's model; returns hypotheses, references, and the
+    file the hypotheses were written to (RUN/translations/SPLIT.TGT)."""
+    from nmt.data.prepare import prepare
+    from nmt.device import resolve_precision
+
+    loaded = load_model(run, device)
+    cfg = loaded.config
+    prepared = prepare(cfg)
+    name = split or next(
+        (s for s in prepared.summary["splits"] if s not in ("train", "valid")), "valid"
+    )
+    data = prepared.split(name)
+    prec = resolve_precision(precision or cfg.decode.precision, device)
+    sources = data.texts("src")  # encoded with the run's own tokenizer, not the cache's
+    if console is not None:
+        from rich.progress import Progress
+
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task(f"translating {name}", total=len(data))
+            hyps = translate_texts(
+                loaded.model,
+                loaded.tokenizer,
+                sources,
+                cfg.decode,
+                device,
+                prec,
+                beam,
+                progress=lambda n: bar.advance(task, n),
+            )
+    else:
+        hyps = translate_texts(
+            loaded.model, loaded.tokenizer, sources, cfg.decode, device, prec, beam
+        )
+    out_dir = loaded.run_dir / "translations"
+    out_dir.mkdir(exist_ok=True)
+    path = out_dir / f"{name}.{cfg.data.tgt}"
+    path.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+    return hyps, data.texts("tgt"), path

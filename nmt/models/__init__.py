@@ -1,0 +1,1 @@
+"""Architectures behind one contract (see `nmt.models.base`)."""

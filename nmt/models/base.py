@@ -1,0 +1,60 @@
+"""The contract between architectures and everything else (trainer, search, compare).
+
+Every model maps batch-first tensors to batch-first tensors:
+
+- ``forward(src[B,S], src_mask[B,S], tgt_in[B,T]) -> logits[B,T,V]`` (teacher forcing);
+- ``encode(src, src_mask) -> State`` (encoder memory and whatever the decoder needs);
+- ``init_state(memory: State) -> State`` (the decoder's starting state);
+- ``step(prev[B], state) -> (StepOutput, State)`` (one target position, never mutating).
+
+``src_mask`` is boolean, True at real tokens. A ``State`` is a plain dict of tensors whose first
+dimension is the batch, so ``reorder_state`` serves beam expansion and pruning for every model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+State = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """What a model needs to know about the tokenizer."""
+
+    src_size: int
+    tgt_size: int
+    shared: bool  # one joint vocabulary: embeddings may be tied
+
+
+@dataclass
+class StepOutput:
+    logits: Tensor  # [B, V] next-token scores (unnormalised)
+    attention: Tensor | None  # [B, S] weights over source positions, or None without attention
+
+
+class TranslationModel(Protocol):
+    def forward(self, src: Tensor, src_mask: Tensor, tgt_in: Tensor) -> Tensor: ...
+
+    def encode(self, src: Tensor, src_mask: Tensor) -> State: ...
+
+    def init_state(self, memory: State) -> State: ...
+
+    def step(self, prev: Tensor, state: State) -> tuple[StepOutput, State]: ...
+
+    def parameters(self): ...
+
+    def eval(self): ...
+
+
+def reorder_state(state: State, index: Tensor) -> State:
+    """Select (and repeat) batch rows of every state tensor: beam expansion and pruning."""
+    return {k: v.index_select(0, index) for k, v in state.items()}
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,196 @@
+"""Pieces shared by several architectures: embeddings, positions, RNN encoder, attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from nmt.special import PAD_ID
+
+
+class Embedding(nn.Module):
+    """Token embedding, optionally scaled by sqrt(D) (Transformer convention)."""
+
+    def __init__(self, vocab_size: int, dim: int, scale: bool = False) -> None:
+        super().__init__()
+        self.table = nn.Embedding(vocab_size, dim, padding_idx=PAD_ID)
+        nn.init.normal_(self.table.weight, mean=0.0, std=dim**-0.5)
+        with torch.no_grad():
+            self.table.weight[PAD_ID].zero_()
+        self.scale = math.sqrt(dim) if scale else 1.0
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.table.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.table(ids) * self.scale  # [..., D]
+
+
+class OutputProjection(nn.Module):
+    """Hidden state -> vocabulary logits; shares the weight of `tie_to` when given."""
+
+    def __init__(self, dim: int, vocab_size: int, tie_to: Embedding | None = None) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(vocab_size))
+        if tie_to is None:
+            self.weight = nn.Parameter(torch.empty(vocab_size, dim))
+            nn.init.normal_(self.weight, mean=0.0, std=dim**-0.5)
+        else:
+            self.weight = tie_to.table.weight
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return F.linear(hidden, self.weight, self.bias)  # [..., V]
+
+
+def sinusoidal(positions: Tensor, dim: int) -> Tensor:
+    """positions[...] -> [..., D] sin/cos encodings (Vaswani et al. 2017), for any position."""
+    half = torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device)
+    angles = positions.float()[..., None] * torch.exp(half * (-math.log(10000.0) / dim))
+    out = torch.zeros(*positions.shape, dim, device=positions.device)
+    out[..., 0::2] = torch.sin(angles)
+    out[..., 1::2] = torch.cos(angles)[..., : dim // 2]
+    return out
+
+
+class Positions(nn.Module):
+    """Positional encodings by position index: sinusoidal (fixed, unbounded) or learned
+    (`max_len` entries; later positions reuse the last one)."""
+
+    def __init__(self, kind: str, max_len: int, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+        self.table = (
+            nn.Parameter(torch.randn(max_len, dim) * dim**-0.5) if kind == "learned" else None
+        )
+
+    def forward(self, positions: Tensor) -> Tensor:
+        if self.table is None:
+            return sinusoidal(positions, self.dim)
+        return self.table[positions.clamp(max=self.table.size(0) - 1)]
+
+
+class RNN(nn.Module):
+    """A GRU or LSTM whose hidden state is exchanged batch-first: [B, L*dirs, H]."""
+
+    def __init__(
+        self,
+        cell: str,
+        input_dim: int,
+        hidden: int,
+        layers: int,
+        bidirectional: bool = False,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        rnn_cls = nn.LSTM if cell == "lstm" else nn.GRU
+        self.is_lstm = cell == "lstm"
+        self.rnn = rnn_cls(
+            input_dim,
+            hidden,
+            num_layers=layers,
+            bidirectional=bidirectional,
+            dropout=dropout if layers > 1 else 0.0,
+            batch_first=True,
+        )
+
+    def forward(
+        self, x: Tensor, hidden: Tensor | None = None, cell: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """x[B,T,I], hidden/cell[B,L,H] -> outputs[B,T,H], hidden[B,L,H], cell[B,L,H] | None."""
+        h0 = None if hidden is None else hidden.transpose(0, 1).contiguous()  # [L,B,H]
+        if self.is_lstm:
+            c0 = None if cell is None else cell.transpose(0, 1).contiguous()
+            out, (h, c) = self.rnn(x, None if h0 is None else (h0, c0))
+            return out, h.transpose(0, 1), c.transpose(0, 1)
+        out, h = self.rnn(x, h0)
+        return out, h.transpose(0, 1), None
+
+
+class RNNEncoder(nn.Module):
+    """Embedding + (bi)RNN over the source, padding-aware through packed sequences."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        emb_dim: int,
+        hidden: int,
+        layers: int,
+        cell: str,
+        bidirectional: bool,
+        dropout: float,
+    ) -> None:
+        super().__init__()
+        self.embed = Embedding(vocab_size, emb_dim)
+        self.dropout = nn.Dropout(dropout)
+        self.rnn = RNN(cell, emb_dim, hidden, layers, bidirectional, dropout)
+        self.dirs = 2 if bidirectional else 1
+        self.layers = layers
+        self.hidden = hidden
+        self.out_dim = hidden * self.dirs
+
+    def forward(self, src: Tensor, src_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """src[B,S], src_mask[B,S] -> outputs[B,S,dirs*H] (zero at pads), final[B,dirs*H].
+
+        `final` is the top layer's last state in each direction (forward at the last real
+        token, backward at the first), concatenated.
+        """
+        x = self.dropout(self.embed(src))  # [B,S,E]
+        lengths = src_mask.sum(1).cpu()
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, hidden, _ = self.rnn(packed)
+        out, _ = pad_packed_sequence(
+            out, batch_first=True, total_length=src.size(1)
+        )  # [B,S,dirs*H]
+        top = hidden[:, -self.dirs :, :]  # [B,dirs,H] last layer, each direction
+        final = top.reshape(top.size(0), self.out_dim)  # [B,dirs*H]
+        return self.dropout(out), final
+
+
+NEG_INF = -1e9  # safe in fp16/bf16 once scores are cast to fp32 before the softmax
+
+
+class RecurrentAttention(nn.Module):
+    """Attention of one decoder query over encoder states.
+
+    additive (Bahdanau): e_i = vᵀ tanh(W q + U h_i); general (Luong): e_i = qᵀ W_a h_i;
+    dot (Luong): e_i = qᵀ h_i. The query-independent part (U h_i or W_a h_i) is computed once
+    per sentence by `keys`, not at every step.
+    """
+
+    def __init__(self, kind: str, query_dim: int, memory_dim: int, attn_dim: int) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == "additive":
+            self.key_proj = nn.Linear(memory_dim, attn_dim, bias=False)  # U
+            self.query_proj = nn.Linear(query_dim, attn_dim, bias=True)  # W
+            self.v = nn.Linear(attn_dim, 1, bias=False)
+        elif kind == "general":
+            self.key_proj = nn.Linear(memory_dim, query_dim, bias=False)  # W_a
+        elif kind != "dot":
+            raise ValueError(f"unknown attention {kind!r}")
+
+    def keys(self, memory: Tensor) -> Tensor:
+        """memory[B,S,M] -> keys[B,S,A] (A = attn_dim for additive, query dim otherwise)."""
+        return memory if self.kind == "dot" else self.key_proj(memory)
+
+    def scores(self, query: Tensor, keys: Tensor) -> Tensor:
+        """query[B,Tq,Q], keys[B,S,A] -> scores[B,Tq,S]."""
+        if self.kind == "additive":
+            q = self.query_proj(query)  # [B,Tq,A]
+            return self.v(torch.tanh(q[:, :, None, :] + keys[:, None, :, :])).squeeze(-1)
+        return query @ keys.transpose(1, 2)  # [B,Tq,Q] @ [B,Q,S] -> [B,Tq,S]
+
+    def forward(
+        self, query: Tensor, keys: Tensor, memory: Tensor, src_mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """query[B,Tq,Q] -> context[B,Tq,M], weights[B,Tq,S] (zero at pads, rows sum to 1)."""
+        e = self.scores(query, keys).float()
+        e = e.masked_fill(~src_mask[:, None, :], NEG_INF)
+        weights = torch.softmax(e, dim=-1)
+        context = weights.to(memory.dtype) @ memory  # [B,Tq,S] @ [B,S,M] -> [B,Tq,M]
+        return context, weights

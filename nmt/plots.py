@@ -1,0 +1,82 @@
+"""Matplotlib figures: attention heatmaps, learning curves, BLEU by source length."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def attention_heatmap(
+    weights: np.ndarray, src: list[str], tgt: list[str], path: Path, title: str = "", ax: Any = None
+) -> None:
+    """weights[T,S]: target rows, source columns, subword labels on both axes."""
+    own = ax is None
+    if own:
+        fig, ax = plt.subplots(figsize=(max(4, 0.45 * len(src) + 2), max(3, 0.4 * len(tgt) + 1.5)))
+    ax.imshow(weights, cmap="Greys", vmin=0.0, vmax=max(float(weights.max()), 1e-6), aspect="auto")
+    ax.set_xticks(range(len(src)), src, rotation=90, fontsize=8)
+    ax.set_yticks(range(len(tgt)), tgt, fontsize=8)
+    ax.set_xlabel("source")
+    ax.set_ylabel("target")
+    if title:
+        ax.set_title(title, fontsize=9)
+    if own:
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def curves(
+    series: dict[str, list[tuple[float, float]]],
+    xlabel: str,
+    ylabel: str,
+    path: Path,
+    title: str = "",
+) -> None:
+    """One line per system: series[name] = [(x, y), ...]."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in series.items():
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3, label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def grouped_bars(
+    groups: list[str],
+    values: dict[str, list[float]],
+    xlabel: str,
+    ylabel: str,
+    path: Path,
+    title: str = "",
+) -> None:
+    """Bars per group (e.g. source-length bucket), one colour per system."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / max(len(values), 1)
+    x = np.arange(len(groups))
+    for k, (name, ys) in enumerate(values.items()):
+        ax.bar(x + k * width - 0.4 + width / 2, ys, width, label=name)
+    ax.set_xticks(x, groups)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,256 @@
+"""Greedy, beam and sampling search over the model contract (`nmt.models.base`).
+
+Everything is batched as tensor operations over sentences and beams. Finished sentences leave
+the active batch (their state rows are dropped with `reorder_state`), so work shrinks as
+sentences finish. The search knows nothing about architectures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from nmt.models.base import State, TranslationModel, reorder_state
+from nmt.special import BOS_ID, EOS_ID, PAD_ID
+
+NEG = float("-inf")
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    beam: int = 5
+    nbest: int = 1
+    length_penalty: float = 1.0  # alpha
+    length_norm: Literal["gnmt", "plain"] = "gnmt"  # ((5+|y|)/6)^alpha or |y|^alpha
+    max_len_a: float = 1.5
+    max_len_b: int = 10
+    min_len: int = 1
+    no_repeat_ngram: int = 0
+    sample: bool = False  # ancestral sampling instead of greedy (beam must be 1)
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    fixed_len: int | None = None  # benchmark mode: exactly this many tokens, EOS forbidden
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # without BOS/EOS
+    score: float  # length-normalised log-probability (what the beam ranks by)
+    logprob: float  # raw sum of token log-probabilities, EOS included
+
+
+def length_penalty(length: Tensor | float, opts: SearchOptions) -> Tensor | float:
+    if opts.length_penalty == 0:
+        return 1.0 if not isinstance(length, Tensor) else torch.ones_like(length, dtype=torch.float)
+    if opts.length_norm == "plain":
+        return length**opts.length_penalty
+    return ((5.0 + length) / 6.0) ** opts.length_penalty
+
+
+def max_lengths(src_mask: Tensor, opts: SearchOptions) -> Tensor:
+    """[B] output length limit a * |x| + b (tokens, EOS included)."""
+    if opts.fixed_len is not None:
+        return torch.full((src_mask.size(0),), opts.fixed_len + 1, device=src_mask.device)
+    src_len = src_mask.sum(1).float()
+    return (opts.max_len_a * src_len + opts.max_len_b).floor().long().clamp(min=1)
+
+
+def _adjust(logp: Tensor, tokens: Tensor, t: int, limit: Tensor, opts: SearchOptions) -> Tensor:
+    """Constraints on next-token log-probs [N,V] at step t: specials, min/max length, n-grams."""
+    eos = logp[:, EOS_ID].clone()  # the model's own EOS log-prob, kept when EOS is forced
+    logp[:, PAD_ID] = NEG
+    logp[:, BOS_ID] = NEG
+    if t < opts.min_len or (opts.fixed_len is not None and t < opts.fixed_len):
+        logp[:, EOS_ID] = NEG
+    force = t + 1 >= limit  # [N] the last allowed position must be EOS
+    if force.any():
+        eos_only = torch.full_like(logp, NEG)
+        eos_only[:, EOS_ID] = eos
+        logp = torch.where(force[:, None], eos_only, logp)
+    n = opts.no_repeat_ngram
+    if n > 0 and tokens.size(1) >= n:
+        grams = tokens.unfold(1, n, 1)  # [N, G, n] every n-gram so far
+        prefix = tokens[:, tokens.size(1) - n + 1 :]  # [N, n-1] the current (n-1)-gram
+        match = (grams[:, :, :-1] == prefix[:, None, :]).all(-1)  # [N, G]
+        banned = torch.where(match, grams[:, :, -1], torch.full_like(grams[:, :, -1], PAD_ID))
+        logp = logp.scatter(1, banned, NEG)  # PAD is banned anyway
+    return logp
+
+
+def _start(model: TranslationModel, src: Tensor, src_mask: Tensor) -> State:
+    return model.init_state(model.encode(src, src_mask))
+
+
+@torch.no_grad()
+def greedy(
+    model: TranslationModel, src: Tensor, src_mask: Tensor, opts: SearchOptions
+) -> list[list[Hypothesis]]:
+    """Greedy (or sampled, with opts.sample) decoding of src[B,S]."""
+    b = src.size(0)
+    device = src.device
+    state = _start(model, src, src_mask)
+    limit = max_lengths(src_mask, opts)  # [B]
+    alive = torch.arange(b, device=device)  # original ids of active rows
+    tokens = torch.zeros(b, 0, dtype=torch.long, device=device)
+    scores = torch.zeros(b, device=device)
+    prev = torch.full((b,), BOS_ID, dtype=torch.long, device=device)
+    results: list[list[Hypothesis]] = [[] for _ in range(b)]
+    gen = torch.Generator(device=device).manual_seed(opts.seed) if opts.sample else None
+    for t in range(int(limit.max())):
+        out, state = model.step(prev, state)
+        logp = _adjust(torch.log_softmax(out.logits.float(), -1), tokens, t, limit[alive], opts)
+        if opts.sample:  # temperature and top-k/top-p among the tokens the constraints allow
+            allowed = _filter(logp / opts.temperature, opts)
+            nxt = torch.multinomial(allowed.softmax(-1), 1, generator=gen).squeeze(1)
+        else:
+            nxt = logp.argmax(-1)  # [b]
+        scores = scores + logp.gather(1, nxt[:, None]).squeeze(1)
+        tokens = torch.cat([tokens, nxt[:, None]], 1)
+        done = nxt == EOS_ID
+        if done.any():
+            for row in done.nonzero().flatten().tolist():  # bookkeeping of finished outputs only
+                toks = tokens[row, :-1].tolist()
+                raw = float(scores[row])
+                norm = raw / float(length_penalty(len(toks) + 1, opts))
+                results[int(alive[row])] = [Hypothesis(toks, norm, raw)]
+            keep = (~done).nonzero().flatten()
+            if keep.numel() == 0:
+                break
+            alive, tokens, scores, nxt = alive[keep], tokens[keep], scores[keep], nxt[keep]
+            state = reorder_state(state, keep)
+        prev = nxt
+    return results
+
+
+def _filter(logits: Tensor, opts: SearchOptions) -> Tensor:
+    """Top-k and nucleus (top-p) filtering of logits [N,V]."""
+    if opts.top_k > 0:
+        kth = logits.topk(min(opts.top_k, logits.size(-1)), -1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, NEG)
+    if opts.top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > opts.top_p  # keep the smallest set reaching p
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, NEG))
+    return logits
+
+
+@torch.no_grad()
+def beam_search(
+    model: TranslationModel, src: Tensor, src_mask: Tensor, opts: SearchOptions
+) -> list[list[Hypothesis]]:
+    """Beam search of width K over src[B,S]; returns the n-best list of every sentence.
+
+    Each step ranks the top 2K expansions of the K live hypotheses of every sentence: those
+    ending in EOS (among the top K) enter the sentence's pool of K finished hypotheses, the
+    best K others stay live. A sentence is done when its worst pooled hypothesis beats the
+    best score any live hypothesis could still reach; done sentences leave the batch.
+    """
+    k = opts.beam
+    b = src.size(0)
+    device = src.device
+    state = reorder_state(
+        _start(model, src, src_mask), torch.arange(b, device=device).repeat_interleave(k)
+    )
+    limit = max_lengths(src_mask, opts)  # [B]
+    max_t = int(limit.max())
+    alive = torch.arange(b, device=device)  # [b] original sentence ids of active sentences
+    scores = torch.full((b, k), NEG, device=device)
+    scores[:, 0] = 0.0  # [b,K] cumulative log-probs; one live beam to start
+    tokens = torch.zeros(b * k, 0, dtype=torch.long, device=device)  # [b*K, t]
+    prev = torch.full((b * k,), BOS_ID, dtype=torch.long, device=device)
+    pool_norm = torch.full((b, k), NEG, device=device)  # finished pool, normalised scores
+    pool_raw = torch.full((b, k), NEG, device=device)
+    pool_tok = torch.full((b, k, max_t), PAD_ID, dtype=torch.long, device=device)
+    arange_k = torch.arange(k, device=device)
+    for t in range(max_t):
+        out, state = model.step(prev, state)
+        n = alive.numel()
+        lim = limit[alive].repeat_interleave(k)  # [b*K]
+        logp = _adjust(torch.log_softmax(out.logits.float(), -1), tokens, t, lim, opts)
+        v = logp.size(-1)
+        cand = (scores.view(-1, 1) + logp).view(n, k * v)  # [b, K*V]
+        top, idx = cand.topk(min(2 * k, k * v), dim=1)  # [b, 2K]
+        beam, tok = idx // v, idx % v
+        rows = (torch.arange(n, device=device) * k)[:, None] + beam  # [b,2K] rows of tokens
+        hist = torch.cat([tokens[rows.flatten()], tok.view(-1, 1)], 1).view(n, -1, t + 1)
+        hist = torch.nn.functional.pad(hist, (0, max_t - t - 1), value=PAD_ID)  # [b,2K,max_t]
+
+        # Finished: EOS expansions among the top K enter the pool of K best finished.
+        is_eos = tok == EOS_ID
+        rank_ok = torch.arange(top.size(1), device=device)[None, :] < k
+        fin = is_eos & rank_ok & torch.isfinite(top)
+        norm = top / length_penalty(float(t + 1), opts)
+        merged_norm = torch.cat([pool_norm[alive], torch.where(fin, norm, NEG)], 1)
+        merged_raw = torch.cat([pool_raw[alive], top], 1)
+        merged_tok = torch.cat([pool_tok[alive], hist], 1)
+        best, pick = merged_norm.topk(k, dim=1)  # [b,K]
+        pool_norm[alive] = best
+        pool_raw[alive] = merged_raw.gather(1, pick)
+        pool_tok[alive] = merged_tok.gather(1, pick[:, :, None].expand(-1, -1, max_t))
+
+        # Live: the K best non-EOS expansions.
+        live_scores, live = torch.where(is_eos, NEG, top).topk(k, dim=1)  # [b,K]
+        sel_rows = rows.gather(1, live).flatten()  # [b*K]
+        sel_tok = tok.gather(1, live).flatten()
+        scores = live_scores
+        tokens = torch.cat([tokens[sel_rows], sel_tok[:, None]], 1)
+        state = reorder_state(state, sel_rows)
+        prev = sel_tok
+
+        # Done: no live hypothesis can beat the worst pooled one (exact bound for alpha >= 0).
+        bound = scores.max(1).values / length_penalty(limit[alive].float(), opts)
+        done = (pool_norm[alive, -1] >= bound) | ~torch.isfinite(scores.max(1).values)
+        if done.any():
+            keep = (~done).nonzero().flatten()
+            if keep.numel() == 0:
+                break
+            keep_rows = (keep[:, None] * k + arange_k).flatten()
+            alive, scores = alive[keep], scores[keep]
+            tokens, prev = tokens[keep_rows], prev[keep_rows]
+            state = reorder_state(state, keep_rows)
+
+    results = []
+    norms, raws, toks = pool_norm.tolist(), pool_raw.tolist(), pool_tok.tolist()
+    for i in range(b):
+        hyps = []
+        for j in range(min(opts.nbest, k)):
+            if math.isinf(norms[i][j]):
+                continue
+            seq = toks[i][j]
+            end = seq.index(EOS_ID) if EOS_ID in seq else len(seq)
+            hyps.append(Hypothesis(seq[:end], norms[i][j], raws[i][j]))
+        results.append(hyps)
+    return results
+
+
+def search(
+    model: TranslationModel, src: Tensor, src_mask: Tensor, opts: SearchOptions
+) -> list[list[Hypothesis]]:
+    """Greedy when beam == 1 (or sampling), beam search otherwise."""
+    if opts.beam == 1 or opts.sample:
+        return greedy(model, src, src_mask, opts)
+    return beam_search(model, src, src_mask, opts)
+
+
+@torch.no_grad()
+def force_decode(
+    model: TranslationModel, src: Tensor, src_mask: Tensor, tgt: list[int]
+) -> tuple[list[float], Tensor | None]:
+    """Score one given target (EOS appended) for src[1,S]: token log-probs and attention [T,S]."""
+    state = _start(model, src, src_mask)
+    prev = torch.tensor([BOS_ID], device=src.device)
+    logps, attn = [], []
+    for token in [*tgt, EOS_ID]:
+        out, state = model.step(prev, state)
+        logps.append(float(torch.log_softmax(out.logits.float(), -1)[0, token]))
+        if out.attention is not None:
+            attn.append(out.attention[0].float())
+        prev = torch.tensor([token], device=src.device)
+    return logps, (torch.stack(attn) if attn else None)

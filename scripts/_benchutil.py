@@ -1,0 +1,329 @@
+"""Helpers shared by the benchmark scripts in this folder (not a benchmark itself).
+
+Timing, tables, JSON output, machine facts, the multi30k recipes, the training step the
+trainer runs (`nmt.train`), and a Hugging Face `MarianMTModel` of the transformer recipe's size
+for side-by-side numbers. Every script puts this folder on `sys.path` and imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = {
+    name: ROOT / "recipes" / "multi30k" / f"{name}.yaml"
+    for name in ("seq2seq", "rnn_attention", "transformer")
+}
+ARCHS = tuple(RECIPES)
+PRECISIONS = ("fp32", "bf16")
+
+
+# -- environment ----------------------------------------------------------------------------
+
+
+def setup_torch(threads: int = 2) -> None:
+    """The settings every benchmark runs under: a fixed thread count, no denormals."""
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
+
+
+def default_env() -> None:
+    """Multi30k from the shared copy and prepared data from /tmp/nmtcache, unless set already."""
+    os.environ.setdefault("NMT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
+    os.environ.setdefault("NMT_CACHE_DIR", "/tmp/nmtcache")
+
+
+def machine_info() -> dict[str, Any]:
+    from nmt.device import cpu_has_bf16
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "cpu_native_bf16": cpu_has_bf16(),
+        "load_average_1m": os.getloadavg()[0],
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    for name in ("transformers", "ctranslate2"):
+        try:
+            info[name] = __import__(name).__version__
+        except ImportError:
+            info[name] = None
+    return info
+
+
+def warn_if_busy() -> None:
+    """The numbers are only as good as the idle cores: say so when others are using them."""
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        print(
+            f"note: 1-minute load average is {load:.1f} before starting; other processes share "
+            "the cores and will lower (and scatter) the numbers"
+        )
+
+
+# -- timing ---------------------------------------------------------------------------------
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def time_repeats(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall seconds of `repeats` calls of `fn` after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def matmul_peak(size: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    """FLOP/s of a square `size` x `size` matmul in `dtype` (median of `repeats` calls)."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=gen).to(dtype)
+    b = torch.randn(size, size, generator=gen).to(dtype)
+    out = torch.empty(size, size, dtype=dtype)
+    times = time_repeats(lambda: torch.mm(a, b, out=out), repeats, warmup=2)
+    flops = 2.0 * size**3
+    return {"size": size, "seconds_median": median(times), "flops_per_s": flops / median(times)}
+
+
+# -- output ---------------------------------------------------------------------------------
+
+
+def fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        if abs(value) >= 100:
+            return f"{value:,.0f}"
+        if abs(value) >= 10:
+            return f"{value:.1f}"
+        return f"{value:.3g}" if abs(value) < 1 else f"{value:.2f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def print_table(
+    rows: list[dict[str, Any]], columns: list[tuple[str, str]], title: str = ""
+) -> None:
+    """Print `rows` as a plain-text table; `columns` are (key, header) pairs."""
+    if title:
+        print(f"\n{title}")
+    cells = [[fmt(row.get(key)) for key, _ in columns] for row in rows]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (_, h) in enumerate(columns)]
+    print(
+        "  ".join(
+            h.rjust(w) if i else h.ljust(w) for i, ((_, h), w) in enumerate(zip(columns, widths))
+        )
+    )
+    print("  ".join("-" * w for w in widths))
+    for c in cells:
+        print("  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(c, widths))))
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if not path:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    print(f"\nwrote {path}")
+
+
+# -- nmt pieces -----------------------------------------------------------------------------
+
+
+def load_recipe(arch: str, overrides: list[str] | None = None):
+    from nmt import config
+
+    return config.load(RECIPES[arch], overrides or [])
+
+
+def vocab_of(prepared):
+    from nmt.models.base import Vocab
+
+    v = prepared.summary["vocab"]
+    return Vocab(src_size=v["src"], tgt_size=v["tgt"], shared=v["joint"])
+
+
+def make_optimizer(model: torch.nn.Module, t) -> torch.optim.Optimizer:
+    """The optimizer `nmt.train.train` builds (same parameter groups and hyper-parameters)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() > 1]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() <= 1]
+    opt_cls = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
+    return opt_cls(
+        [
+            {"params": decay, "weight_decay": t.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=t.lr,
+        betas=t.betas,
+        eps=t.eps,
+    )
+
+
+def nmt_train_step(model, optimizer, t, precision: str) -> Callable[[Any], float]:
+    """One optimizer step of `nmt.train.train` on one batch: `_accumulate` (forward under
+    autocast, label-smoothed loss, backward), gradient clipping, Adam step, zero_grad."""
+    from nmt.train import _accumulate
+
+    device = torch.device("cpu")
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(batch) -> float:
+        loss = _accumulate(model, [batch], float(batch.tgt_tokens), 1, device, precision, scaler, t)
+        torch.nn.utils.clip_grad_norm_(params, t.clip_norm or float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def transformer_train_flops(cfg, vocab_size: int, b: int, s: int, t: int) -> dict[str, float]:
+    """Analytic matmul FLOPs of one training step (forward + backward) of the transformer on a
+    batch padded to [b, s] sources and [b, t] targets: {"total", "attention", "projections"}.
+
+    Forward: 2*m*n*k for every projection (QKV, output, cross-attention Q and KV, FFN, the
+    vocabulary projection) and for both attention products (QKᵀ and AV, counted in full: no
+    halving for the causal mask, as the kernels compute the whole square). Backward = 2 x
+    forward (input and weight gradients). Embedding look-ups, softmax, layer norms, the loss
+    and the optimizer are not counted. Padded positions are counted (the hardware does them).
+    The "projections" part equals what torch.utils.flop_counter.FlopCounterMode reports for a
+    step (it does not see the CPU flash-attention kernel, so it misses "attention").
+    """
+    d, f = cfg.d_model, cfg.ffn_dim
+    src, tgt = b * s, b * t
+    proj = cfg.enc_layers * (2 * src * d * 4 * d + 2 * src * d * f * 2) + cfg.dec_layers * (
+        2 * tgt * d * 4 * d  # self-attention QKV + out
+        + 2 * tgt * d * 2 * d  # cross-attention Q + out
+        + 2 * src * d * 2 * d  # cross-attention K, V of the memory
+        + 2 * tgt * d * f * 2  # feed-forward
+    )
+    proj += 2 * tgt * d * vocab_size  # output projection
+    attn = cfg.enc_layers * 4 * b * s * s * d + cfg.dec_layers * (
+        4 * b * t * t * d + 4 * b * t * s * d
+    )
+    return {"total": 3.0 * (proj + attn), "attention": 3.0 * attn, "projections": 3.0 * proj}
+
+
+def flop_counter_check(model, batch) -> float:
+    """FLOPs that torch.utils.flop_counter.FlopCounterMode counts for one forward + backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(batch.src, batch.src_mask, batch.tgt_in).float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    return float(counter.get_total_flops())
+
+
+# -- Hugging Face Marian of the same size ---------------------------------------------------
+
+
+def hf_available() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def marian_config(cfg, vocab_size: int, max_positions: int = 256):
+    """A MarianConfig matching the transformer recipe: d_model, layers, heads, FFN, ReLU,
+    sqrt(d) embedding scale, one tied embedding table for source, target and output, dropout
+    after embeddings and sublayers, and inside the FFN where `nmt` applies it too. Marian is
+    post-norm; `nmt`'s default is pre-norm (two more LayerNorms, same matmuls)."""
+    from transformers import MarianConfig
+
+    from nmt.special import BOS_ID, EOS_ID, PAD_ID
+
+    return MarianConfig(
+        vocab_size=vocab_size,
+        d_model=cfg.d_model,
+        encoder_layers=cfg.enc_layers,
+        decoder_layers=cfg.dec_layers,
+        encoder_attention_heads=cfg.heads,
+        decoder_attention_heads=cfg.heads,
+        encoder_ffn_dim=cfg.ffn_dim,
+        decoder_ffn_dim=cfg.ffn_dim,
+        activation_function=cfg.activation,
+        max_position_embeddings=max_positions,
+        dropout=cfg.dropout,
+        attention_dropout=cfg.attn_dropout,
+        # FFN dropout after the activation: its own setting when the model has one, else dropout
+        activation_dropout=getattr(cfg, "activation_dropout", cfg.dropout),
+        scale_embedding=cfg.scale_embeddings,
+        share_encoder_decoder_embeddings=True,
+        tie_word_embeddings=True,
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+        bos_token_id=BOS_ID,
+        decoder_start_token_id=BOS_ID,
+        forced_eos_token_id=None,
+    )
+
+
+def build_marian(cfg, vocab_size: int, seed: int = 0):
+    from transformers import MarianMTModel
+
+    torch.manual_seed(seed)
+    return MarianMTModel(marian_config(cfg, vocab_size))  # attention: sdpa (the default)
+
+
+def hf_train_step(model, optimizer, t, precision: str) -> Callable[[dict], float]:
+    """The same step for a Hugging Face seq2seq model: its own loss from `labels` (mean over
+    non -100 positions), clipping, Adam step, zero_grad."""
+    from nmt.device import autocast
+
+    device = torch.device("cpu")
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(inputs: dict) -> float:
+        with autocast(device, precision):
+            loss = model(**inputs).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, t.clip_norm or float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+def hf_inputs(batch) -> dict[str, torch.Tensor]:
+    """HF convention for one of our batches: decoder_input_ids = tgt_in, labels = tgt_out with
+    padding -> -100, attention_mask = src_mask."""
+    from nmt.special import PAD_ID
+
+    return {
+        "input_ids": batch.src,
+        "attention_mask": batch.src_mask.long(),
+        "decoder_input_ids": batch.tgt_in,
+        "labels": batch.tgt_out.masked_fill(batch.tgt_out == PAD_ID, -100),
+    }

@@ -1,0 +1,463 @@
+"""Decoding speed: sentences/s on the 1,000 test_2016_flickr sources, greedy and beam search,
+fp32 and bf16 autocast, for each architecture; side by side with Hugging Face `generate()` and
+CTranslate2 on a MarianMTModel of the transformer recipe's size when they are installed.
+
+What is measured
+  * Models: each trained run given with --run DIR (repeatable; its best/last checkpoint, its
+    tokenizer and prepared data), or, without --run, randomly initialised models at the sizes of
+    recipes/multi30k/{seq2seq,rnn_attention,transformer}.yaml (--archs). In fixed-length mode
+    decoding speed does not depend on the weights.
+  * Sources: the prepared test_2016_flickr split (--split), token ids + EOS, sorted by length
+    (stable) and cut into batches of --batch-size sentences (default 64), built once before
+    timing; every system decodes the same batches.
+  * nmt: `nmt.search.search` (the search `nmt translate` runs) with the run's (or recipe's)
+    decode settings, beam --beam (default 5) or greedy, under torch.no_grad and autocast.
+  * --fixed-len N (SearchOptions.fixed_len): every sentence gets exactly N tokens (EOS forbidden
+    before), so all systems do identical work whatever the weights. Default N = 20 without
+    --run; with --run the default is free decoding (--fixed-len 0), which stops at EOS.
+    nmt then runs N + 1 decoder steps (N tokens, then the forced EOS is scored). With
+    --match steps (default) HF and CTranslate2 are asked for N + 1 new tokens so every system
+    runs the same number of decoder steps; --match tokens asks them for N.
+  * Hugging Face: MarianMTModel of the same size (d_model 256, 3+3 layers, 4 heads, FFN 1024,
+    joint vocabulary, tied embeddings, max 256 positions, SDPA), random weights,
+    generate(num_beams=beam or 1, do_sample=False, min_new_tokens = max_new_tokens), same
+    batches, fp32 and bf16 autocast. Fixed-length mode only (random weights).
+  * CTranslate2: that Marian model saved to a temporary directory and converted with
+    ctranslate2.converters.TransformersConverter (the tokenizer it reads is replaced by our
+    sentencepiece vocabulary; the model gets one extra vocabulary row, which the Marian converter
+    removes as Marian's <pad>), Translator(intra_threads=--threads), translate_batch(source
+    token strings from our tokenizer + </s>, beam_size, min_decoding_length =
+    max_decoding_length, max_batch_size = --batch-size). Compute types: float32, and bfloat16
+    only where CTranslate2 supports it on this CPU (it is skipped with a note otherwise).
+  * Timing: --warmup untimed batches, then --repeats full passes over all batches with
+    time.perf_counter; sentences/s of the median pass (min and max in the JSON).
+
+Commands:
+  NMT_DATA_DIR=../shared/data NMT_CACHE_DIR=/tmp/nmtcache \\
+      python scripts/bench_decode.py --json runs/bench_decode.json
+  # trained runs, free decoding and fixed length:
+  ... scripts/bench_decode.py --run runs/multi30k_transformer --run runs/multi30k_rnn_attention
+  ... scripts/bench_decode.py --run runs/multi30k_transformer --fixed-len 20
+  # smoke test (a few seconds; 128 sentences, 6 tokens unless --fixed-len is given):
+  ... scripts/bench_decode.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _benchutil as bu  # noqa: E402
+
+MODES = ("greedy", "beam")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--run", action="append", default=[], help="trained run dir (repeatable)")
+    p.add_argument(
+        "--archs", nargs="+", default=list(bu.ARCHS), choices=bu.ARCHS, help="without --run"
+    )
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--precisions", nargs="+", default=list(bu.PRECISIONS), choices=bu.PRECISIONS)
+    p.add_argument(
+        "--fixed-len", type=int, default=None, help="N output tokens (0 = free decoding)"
+    )
+    p.add_argument("--match", choices=("steps", "tokens"), default="steps")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--split", default="test_2016_flickr")
+    p.add_argument("--limit", type=int, default=None, help="first N sentences only")
+    p.add_argument("--warmup", type=int, default=1, help="untimed batches before timing")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes over all batches")
+    p.add_argument("--hf", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--ct2", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="smoke test: 128 sentences, 6 tokens")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    if args.fixed_len is None:
+        args.fixed_len = 0 if args.run else (6 if args.quick else 20)
+    if args.quick:
+        args.limit = args.limit or 128
+        args.repeats, args.warmup = 1, 1
+    if args.hf == "on" and not bu.hf_available():
+        p.error("--hf on: transformers is not importable in this Python")
+    if args.ct2 == "on":
+        try:
+            import ctranslate2  # noqa: F401
+        except ImportError:
+            p.error("--ct2 on: ctranslate2 is not importable in this Python")
+    return args
+
+
+@dataclass
+class Subject:
+    name: str
+    arch: str
+    model: Any
+    cfg: Any
+    tokenizer: Any
+    sources: list[list[int]]
+    texts: list[str]
+
+
+def load_subjects(args) -> list[Subject]:
+    from nmt.data.prepare import prepare
+    from nmt.evaluate import load_model
+    from nmt.models.registry import build_model
+
+    subjects = []
+    if args.run:
+        for run in args.run:
+            loaded = load_model(Path(run), torch.device("cpu"))
+            split = prepare(loaded.config).split(args.split)
+            n = min(args.limit or len(split), len(split))
+            subjects.append(
+                Subject(
+                    name=Path(run).name,
+                    arch=loaded.payload["arch"],
+                    model=loaded.model,
+                    cfg=loaded.config,
+                    tokenizer=loaded.tokenizer,
+                    sources=[split.src_ids(i).tolist() for i in range(n)],
+                    texts=split.texts("src")[:n],
+                )
+            )
+        return subjects
+    for arch in args.archs:
+        cfg = bu.load_recipe(arch)
+        prepared = prepare(cfg)
+        split = prepared.split(args.split)
+        n = min(args.limit or len(split), len(split))
+        torch.manual_seed(args.seed)
+        model = build_model(arch, cfg.model, bu.vocab_of(prepared)).eval()
+        subjects.append(
+            Subject(
+                name=f"{arch} (random init)",
+                arch=arch,
+                model=model,
+                cfg=cfg,
+                tokenizer=prepared.tokenizer(),
+                sources=[split.src_ids(i).tolist() for i in range(n)],
+                texts=split.texts("src")[:n],
+            )
+        )
+    return subjects
+
+
+def make_batches(
+    sources: list[list[int]], batch_size: int
+) -> list[tuple[np.ndarray, torch.Tensor]]:
+    """Length-sorted batches of `batch_size` sentences: (indices, src ids + EOS, right-padded)."""
+    from nmt.special import EOS_ID, PAD_ID
+
+    lengths = np.array([len(s) + 1 for s in sources])
+    order = np.argsort(lengths, kind="stable")
+    batches = []
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        src = torch.full((len(idx), int(lengths[idx].max())), PAD_ID, dtype=torch.long)
+        for row, i in enumerate(idx):
+            src[row, : len(sources[i])] = torch.as_tensor(sources[i], dtype=torch.long)
+            src[row, len(sources[i])] = EOS_ID
+        batches.append((idx, src))
+    return batches
+
+
+def timed_passes(decode_batch, batches: list, args) -> tuple[list[float], list]:
+    """--warmup untimed batches, then --repeats timed passes; returns times and last outputs."""
+    for k in range(min(args.warmup, len(batches))):
+        decode_batch(batches[k])
+    times, outputs = [], []
+    for _ in range(args.repeats):
+        outputs = []
+        t0 = time.perf_counter()
+        for b in batches:
+            outputs.append(decode_batch(b))
+        times.append(time.perf_counter() - t0)
+    return times, outputs
+
+
+def row_of(
+    system: str, name: str, mode: str, precision: str, times: list[float], n: int, steps, out_len
+) -> dict:
+    med = bu.median(times)
+    row = {
+        "system": system,
+        "model": name,
+        "mode": mode,
+        "precision": precision,
+        "sentences": n,
+        "decoder_steps": steps,
+        "mean_output_tokens": out_len,
+        "sentences_per_s": n / med,
+        "sentences_per_s_min": n / max(times),
+        "sentences_per_s_max": n / min(times),
+        "pass_seconds": times,
+    }
+    print(f"  {system} {name} {mode} {precision}: {row['sentences_per_s']:,.1f} sent/s")
+    return row
+
+
+def bench_nmt(subject: Subject, mode: str, precision: str, args) -> dict:
+    from nmt.device import autocast
+    from nmt.evaluate import search_options
+    from nmt.search import search
+
+    opts = search_options(
+        subject.cfg.decode,
+        beam=args.beam if mode == "beam" else 1,
+        nbest=1,
+        fixed_len=args.fixed_len or None,
+    )
+    batches = make_batches(subject.sources, args.batch_size)
+    device = torch.device("cpu")
+    model = subject.model.eval()
+
+    def decode(b):
+        _, src = b
+        with torch.no_grad(), autocast(device, precision):
+            return search(model, src, src != 0, opts)
+
+    times, outputs = timed_passes(decode, batches, args)
+    lengths = [len(h[0].tokens) if h else 0 for out in outputs for h in out]
+    steps = args.fixed_len + 1 if args.fixed_len else None
+    return row_of(
+        "nmt",
+        subject.name,
+        mode,
+        precision,
+        times,
+        len(subject.sources),
+        steps,
+        float(np.mean(lengths)),
+    )
+
+
+def other_tokens(args) -> int:
+    return args.fixed_len + 1 if args.match == "steps" else args.fixed_len
+
+
+def bench_hf(model, subject: Subject, mode: str, precision: str, args) -> dict:
+    from nmt.device import autocast
+
+    new = other_tokens(args)
+    batches = make_batches(subject.sources, args.batch_size)
+    device = torch.device("cpu")
+    kwargs = {
+        "num_beams": args.beam if mode == "beam" else 1,
+        "do_sample": False,
+        "min_new_tokens": new,
+        "max_new_tokens": new,
+        "length_penalty": 1.0,
+        "use_cache": True,
+    }
+
+    def decode(b):
+        _, src = b
+        with torch.no_grad(), autocast(device, precision):
+            return model.generate(input_ids=src, attention_mask=(src != 0).long(), **kwargs)
+
+    times, outputs = timed_passes(decode, batches, args)
+    out_len = float(np.mean([o.size(1) - 1 for o in outputs]))  # minus the decoder start token
+    return row_of(
+        "hf-generate", "marian", mode, precision, times, len(subject.sources), new, out_len
+    )
+
+
+def convert_ct2(cfg, tokenizer, seed: int, workdir: Path) -> Path:
+    """Save a same-size Marian model and convert it with CTranslate2's TransformersConverter."""
+    from ctranslate2.converters import TransformersConverter
+
+    size = tokenizer.tgt.get_piece_size()
+
+    class Vocabulary:  # what the converter reads from a Hugging Face tokenizer
+        eos_token, unk_token, bos_token = "</s>", "<unk>", "<s>"
+
+        def get_vocab(self) -> dict[str, int]:
+            return {tokenizer.tgt.id_to_piece(i): i for i in range(size)}
+
+    class Converter(TransformersConverter):
+        def load_tokenizer(self, *args, **kwargs):
+            return Vocabulary()
+
+    # One extra row: the Marian converter drops the last vocabulary row (Marian's own <pad>).
+    model = bu.build_marian(cfg.model, size + 1, seed)
+    model.save_pretrained(workdir / "hf")
+    out = workdir / "ct2"
+    Converter(str(workdir / "hf")).convert(str(out), force=True)
+    return out
+
+
+def bench_ct2(model_dir: Path, subject: Subject, mode: str, compute_type: str, args) -> dict:
+    import ctranslate2
+
+    new = other_tokens(args)
+    translator = ctranslate2.Translator(
+        str(model_dir),
+        device="cpu",
+        compute_type=compute_type,
+        intra_threads=args.threads,
+        inter_threads=1,
+    )
+    pieces = [subject.tokenizer.src_pieces(t.strip()) + ["</s>"] for t in subject.texts]
+    batches = [
+        [pieces[i] for i in idx] for idx, _ in make_batches(subject.sources, args.batch_size)
+    ]
+
+    def decode(b):
+        return translator.translate_batch(
+            b,
+            max_batch_size=args.batch_size,
+            beam_size=args.beam if mode == "beam" else 1,
+            min_decoding_length=new,
+            max_decoding_length=new,
+            length_penalty=1.0,
+        )
+
+    times, outputs = timed_passes(decode, batches, args)
+    out_len = float(np.mean([len(r.hypotheses[0]) for out in outputs for r in out]))
+    precision = {"float32": "fp32", "bfloat16": "bf16"}.get(compute_type, compute_type)
+    return row_of(
+        "ctranslate2", "marian", mode, precision, times, len(subject.sources), new, out_len
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    bu.setup_torch(args.threads)
+    bu.default_env()
+    bu.warn_if_busy()
+    notes: list[str] = []
+    subjects = load_subjects(args)
+    rows: list[dict] = []
+    for subject in subjects:
+        for mode in args.modes:
+            for precision in args.precisions:
+                rows.append(bench_nmt(subject, mode, precision, args))
+        gc.collect()
+
+    transformer = next((s for s in subjects if s.arch == "transformer"), subjects[0])
+    use_hf = args.hf == "on" or (args.hf == "auto" and bu.hf_available())
+    use_ct2 = args.ct2 != "off"
+    if use_ct2 and args.ct2 == "auto":
+        try:
+            import ctranslate2  # noqa: F401
+        except ImportError:
+            use_ct2 = False
+    if (use_hf or use_ct2) and not args.fixed_len:
+        notes.append("HF and CTranslate2 run only in fixed-length mode (their models are random)")
+        use_hf = use_ct2 = False
+    if use_ct2 and not use_hf:
+        use_ct2 = bu.hf_available()  # the conversion starts from a transformers model
+    if use_hf:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+        cfg = bu.load_recipe("transformer").model
+        model = bu.build_marian(cfg, transformer.tokenizer.tgt.get_piece_size(), args.seed).eval()
+        for mode in args.modes:
+            for precision in args.precisions:
+                rows.append(bench_hf(model, transformer, mode, precision, args))
+        del model
+        gc.collect()
+    if use_ct2:
+        import ctranslate2
+
+        supported = ctranslate2.get_supported_compute_types("cpu")
+        wanted = {"fp32": "float32", "bf16": "bfloat16"}
+        types = [wanted[p] for p in args.precisions if wanted[p] in supported]
+        for p in args.precisions:
+            if wanted[p] not in supported:
+                notes.append(f"CTranslate2 {wanted[p]} is not supported on this CPU; skipped")
+        with tempfile.TemporaryDirectory(prefix="bench_ct2_") as tmp:
+            model_dir = convert_ct2(
+                bu.load_recipe("transformer"), transformer.tokenizer, args.seed, Path(tmp)
+            )
+            for mode in args.modes:
+                for ct in types:
+                    rows.append(bench_ct2(model_dir, transformer, mode, ct, args))
+
+    ratios = []
+    for row in rows:
+        # ratios for the (first) transformer only: the other systems are transformers
+        if (
+            row["system"] != "nmt"
+            or row["model"] != transformer.name
+            or transformer.arch != "transformer"
+        ):
+            continue
+        entry = {"mode": row["mode"], "precision": row["precision"], "nmt": row["sentences_per_s"]}
+        for system, key in (("hf-generate", "hf"), ("ctranslate2", "ct2")):
+            same = [r for r in rows if r["system"] == system and r["mode"] == row["mode"]]
+            match = next((r for r in same if r["precision"] == row["precision"]), None)
+            if match is None and system == "ctranslate2":
+                match = next((r for r in same if r["precision"] == "fp32"), None)
+            if match:
+                entry[key] = match["sentences_per_s"]
+                entry[f"{key}_precision"] = match["precision"]
+                entry[f"nmt_over_{key}"] = row["sentences_per_s"] / match["sentences_per_s"]
+        if len(entry) > 3:
+            ratios.append(entry)
+
+    length = f"fixed length {args.fixed_len} tokens" if args.fixed_len else "free decoding (to EOS)"
+    bu.print_table(
+        rows,
+        [
+            ("system", "system"),
+            ("model", "model"),
+            ("mode", "mode"),
+            ("precision", "prec"),
+            ("sentences_per_s", "sent/s"),
+            ("sentences_per_s_min", "min"),
+            ("sentences_per_s_max", "max"),
+            ("decoder_steps", "steps"),
+            ("mean_output_tokens", "out tok"),
+        ],
+        title=f"decoding {len(transformer.sources)} {args.split} sentences, batch {args.batch_size}, "
+        f"beam {args.beam}, {length}",
+    )
+    if ratios:
+        bu.print_table(
+            ratios,
+            [
+                ("mode", "mode"),
+                ("precision", "prec"),
+                ("nmt", "nmt sent/s"),
+                ("hf", "HF sent/s"),
+                ("nmt_over_hf", "nmt/HF"),
+                ("ct2", "CT2 sent/s"),
+                ("ct2_precision", "CT2 prec"),
+                ("nmt_over_ct2", "nmt/CT2"),
+            ],
+            title=f"nmt transformer ({transformer.name}) vs HF generate and CTranslate2 (same batches)",
+        )
+    for note in notes:
+        print(f"note: {note}")
+    result = {
+        "benchmark": "bench_decode",
+        "args": vars(args),
+        "machine": bu.machine_info(),
+        "notes": notes,
+        "rows": rows,
+        "ratios": ratios,
+    }
+    bu.write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""`nmt compare` end to end on the three tiny recipes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = [
+    str(REPO / "recipes" / "tiny" / f"{a}.yaml")
+    for a in ("seq2seq", "rnn_attention", "transformer")
+]
+SETS = [
+    "--set",
+    "train.max_steps=12",
+    "--set",
+    "train.valid_every=6",
+    "--set",
+    "train.valid_max_sentences=20",
+    "--set",
+    "data.limit_test=60",
+    "--set",
+    "decode.beam=2",
+    "--set",
+    "decode.max_len_b=3",
+]
+
+
+def compare(out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nmt",
+            "compare",
+            *RECIPES,
+            "--out",
+            str(out),
+            *SETS,
+            "--bootstrap-samples",
+            "100",
+        ],
+        env={**os.environ, "COLUMNS": "300"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def test_compare_three_architectures_and_reuse(tmp_path):
+    out = tmp_path / "cmp"
+    first = compare(out)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stderr.count("training into") == 3
+
+    report = json.loads((out / "report.json").read_text())
+    systems = report["systems"]
+    assert [s["name"] for s in systems] == ["seq2seq", "rnn_attention", "transformer"]
+    assert [s["arch"] for s in systems] == ["seq2seq", "rnn_attention", "transformer"]
+    assert report["splits"] == ["test_2016_flickr", "test_2017_flickr"]
+    for s in systems:
+        assert s["params"] > 0 and s["steps"] == 12
+        for key in ("train_minutes", "train_tokens_per_s", "decode_sentences_per_s"):
+            assert math.isfinite(s[key]) and s[key] > 0, key
+        for split in report["splits"]:
+            for metric in ("bleu", "chrf"):
+                m = s["test"][split][metric]
+                assert all(math.isfinite(m[k]) for k in ("score", "ci_low", "ci_high"))
+                assert m["ci_low"] <= m["ci_high"]
+                assert 0 <= m["score"] <= 100
+            p = s["test"][split]["bleu"]["p_value_vs_best"]
+            assert (p is None) == s["test"][split]["best"]
+        # Same test sets, same decoding: every system translated every test sentence.
+        for split in report["splits"]:
+            lines = (out / "translations" / f"{s['name']}.{split}.de").read_text().split("\n")
+            assert len(lines) == 61 and lines[-1] == ""
+    assert sum(s["test"]["test_2016_flickr"]["best"] for s in systems) == 1
+
+    md = (out / "report.md").read_text()
+    assert (
+        md.count("| seq2seq | seq2seq |") == 2
+        and "Example translations" in md
+        and "**reference**" in md
+    )
+    for png in (
+        "valid_bleu_vs_time.png",
+        "valid_bleu_vs_steps.png",
+        "train_loss.png",
+        "bleu_by_length.png",
+        "attention_rnn_attention.png",
+        "attention_transformer.png",
+    ):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    assert not (out / "attention_seq2seq.png").exists()  # no attention to draw
+
+    second = compare(out)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stderr.count("reusing finished run") == 3 and "training into" not in second.stderr
+    again = json.loads((out / "report.json").read_text())
+    for a, b in zip(systems, again["systems"]):
+        assert (
+            a["test"]["test_2016_flickr"]["bleu"]["score"]
+            == b["test"]["test_2016_flickr"]["bleu"]["score"]
+        )

@@ -1,0 +1,275 @@
+"""Contract and property tests, parametrized over every registered architecture variant."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from nmt.models.base import Vocab, count_parameters, reorder_state
+from nmt.models.registry import ARCHITECTURES, build_model
+from nmt.models.rnn_attention import RNNAttentionConfig
+from nmt.models.seq2seq import Seq2SeqConfig
+from nmt.models.transformer import TransformerConfig
+from nmt.special import BOS_ID, PAD_ID
+
+V = 37
+VOCAB = Vocab(V, V, shared=True)
+
+VARIANTS = {
+    "seq2seq-gru": ("seq2seq", Seq2SeqConfig(emb_dim=16, hidden=24, enc_layers=2, dec_layers=2)),
+    "seq2seq-lstm-uni": (
+        "seq2seq",
+        Seq2SeqConfig(
+            cell="lstm", emb_dim=16, hidden=24, bidirectional=False, tie_embeddings=False
+        ),
+    ),
+    "rnn_attention-additive": (
+        "rnn_attention",
+        RNNAttentionConfig(emb_dim=16, enc_hidden=12, dec_hidden=20, attn_dim=10, dec_layers=2),
+    ),
+    "rnn_attention-general-feed-lstm": (
+        "rnn_attention",
+        RNNAttentionConfig(
+            cell="lstm",
+            emb_dim=16,
+            enc_hidden=12,
+            dec_hidden=20,
+            attention="general",
+            input_feed=True,
+        ),
+    ),
+    "rnn_attention-dot": (
+        "rnn_attention",
+        RNNAttentionConfig(emb_dim=16, enc_hidden=10, dec_hidden=20, attention="dot"),
+    ),
+    "transformer-pre": (
+        "transformer",
+        TransformerConfig(d_model=32, heads=4, enc_layers=2, dec_layers=2, ffn_dim=48),
+    ),
+    "transformer-post-learned-gelu": (
+        "transformer",
+        TransformerConfig(
+            d_model=32,
+            heads=2,
+            enc_layers=1,
+            dec_layers=2,
+            ffn_dim=40,
+            norm="post",
+            positions="learned",
+            activation="gelu",
+            max_positions=64,
+        ),
+    ),
+}
+ATTENTION_ARCHS = {"rnn_attention", "transformer"}
+
+
+def test_every_architecture_has_a_variant():
+    assert set(ARCHITECTURES) == {arch for arch, _ in VARIANTS.values()}
+
+
+def make(name: str, vocab: Vocab = VOCAB) -> torch.nn.Module:
+    arch, cfg = VARIANTS[name]
+    torch.manual_seed(0)
+    return build_model(arch, cfg, vocab).eval()
+
+
+def batch(lengths_src, lengths_tgt, seed=0):
+    """Right-padded random ids (no special ids inside sentences)."""
+    g = torch.Generator().manual_seed(seed)
+    b, s, t = len(lengths_src), max(lengths_src), max(lengths_tgt)
+    src = torch.randint(4, V, (b, s), generator=g)
+    tgt = torch.randint(4, V, (b, t), generator=g)
+    for i, (ls, lt) in enumerate(zip(lengths_src, lengths_tgt)):
+        src[i, ls:] = PAD_ID
+        tgt[i, lt:] = PAD_ID
+    tgt[:, 0] = BOS_ID
+    return src, src != PAD_ID, tgt
+
+
+def pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, length - x.size(1)), value=PAD_ID)
+
+
+@pytest.fixture(params=sorted(VARIANTS))
+def variant(request) -> str:
+    return request.param
+
+
+def test_forward_shape(variant):
+    model = make(variant)
+    src, mask, tgt = batch([5, 3, 7], [4, 6, 2])
+    assert model(src, mask, tgt).shape == (3, 6, V)
+
+
+def test_padding_invariance(variant):
+    model = make(variant)
+    src, mask, tgt = batch([5, 3, 7], [4, 6, 2])
+    logits = model(src, mask, tgt)
+    src2, tgt2 = pad_to(src, 11), pad_to(tgt, 9)
+    logits2 = model(src2, src2 != PAD_ID, tgt2)
+    for i, lt in enumerate([4, 6, 2]):
+        torch.testing.assert_close(logits2[i, :lt], logits[i, :lt], atol=1e-5, rtol=1e-5)
+    # A sentence alone equals the same sentence inside a padded batch.
+    alone = model(src[1:2, :3], mask[1:2, :3], tgt[1:2, :6])
+    torch.testing.assert_close(alone[0], logits[1, :6], atol=1e-5, rtol=1e-5)
+
+
+def test_causality(variant):
+    model = make(variant)
+    src, mask, tgt = batch([6, 4], [7, 7])
+    logits = model(src, mask, tgt)
+    for t in (0, 3, 5):
+        changed = tgt.clone()
+        changed[:, t + 1 :] = torch.randint(4, V, changed[:, t + 1 :].shape)
+        torch.testing.assert_close(model(src, mask, changed)[:, : t + 1], logits[:, : t + 1])
+
+
+def test_incremental_decoding_equals_teacher_forcing(variant):
+    model = make(variant)
+    src, mask, tgt = batch([5, 3, 7], [6, 6, 6])
+    full = model(src, mask, tgt)
+    state = model.init_state(model.encode(src, mask))
+    for t in range(tgt.size(1)):
+        out, state = model.step(tgt[:, t], state)
+        torch.testing.assert_close(out.logits, full[:, t], atol=1e-5, rtol=1e-5)
+
+
+def test_state_is_batch_first_and_step_does_not_mutate(variant):
+    model = make(variant)
+    src, mask, tgt = batch([5, 3], [4, 4])
+    state = model.init_state(model.encode(src, mask))
+    before = {k: v.clone() for k, v in state.items()}
+    model.step(tgt[:, 0], state)
+    for k, v in state.items():
+        assert v.size(0) == 2, k
+        torch.testing.assert_close(v, before[k])
+
+
+def test_reorder_state_serves_beam_expansion(variant):
+    """Decoding rows selected by reorder_state equals decoding the selected sentences."""
+    model = make(variant)
+    src, mask, tgt = batch([5, 3, 6], [4, 4, 4])
+    state = model.init_state(model.encode(src, mask))
+    index = torch.tensor([2, 2, 0, 1, 1])
+    out, _ = model.step(tgt[:, 0][index], reorder_state(state, index))
+    ref, _ = model.step(tgt[:, 0], state)
+    torch.testing.assert_close(out.logits, ref.logits[index])
+
+
+def test_batch_permutation(variant):
+    model = make(variant)
+    src, mask, tgt = batch([5, 3, 7, 2], [4, 6, 2, 5])
+    perm = torch.tensor([2, 0, 3, 1])
+    torch.testing.assert_close(
+        model(src[perm], mask[perm], tgt[perm]), model(src, mask, tgt)[perm], atol=1e-5, rtol=1e-5
+    )
+
+
+def test_attention_weights_are_distributions(variant):
+    arch, _ = VARIANTS[variant]
+    model = make(variant)
+    src, mask, tgt = batch([5, 3, 7], [4, 4, 4])
+    state = model.init_state(model.encode(src, mask))
+    for t in range(3):
+        out, state = model.step(tgt[:, t], state)
+        if arch not in ATTENTION_ARCHS:
+            assert out.attention is None
+            continue
+        a = out.attention
+        assert a.shape == (3, 7)
+        assert (a >= 0).all()
+        assert torch.all(a[~mask] == 0)
+        torch.testing.assert_close(a.sum(-1), torch.ones(3))
+
+
+def test_bf16_autocast_close_to_fp32(variant):
+    model = make(variant)
+    src, mask, tgt = batch([9, 6, 8], [7, 8, 5])
+    ref = model(src, mask, tgt)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = model(src, mask, tgt)
+        state = model.init_state(model.encode(src, mask))
+        out, _ = model.step(tgt[:, 0], state)
+    assert torch.isfinite(low).all() and torch.isfinite(out.logits).all()
+    err = (low.float() - ref).abs().max() / ref.abs().max()
+    assert err < 0.05, f"bf16 relative error {err:.3f}"
+    p, q = ref.softmax(-1), low.float().softmax(-1)
+    assert (p - q).abs().sum(-1).max() < 0.1  # total variation of next-token distributions
+
+
+def test_untied_separate_vocabularies(variant):
+    arch, cfg = VARIANTS[variant]
+    vocab = Vocab(src_size=29, tgt_size=41, shared=False)
+    model = build_model(arch, dataclasses.replace(cfg), vocab).eval()
+    src = torch.randint(4, 29, (2, 5))
+    tgt = torch.randint(4, 41, (2, 3))
+    assert model(src, src != PAD_ID, tgt).shape == (2, 3, 41)
+
+
+def transformer_params(c: TransformerConfig, v: int) -> int:
+    d, f = c.d_model, c.ffn_dim
+    attn_self = 3 * d * d + 3 * d + d * d + d
+    attn_cross = (d * d + d) + (2 * d * d + 2 * d) + (d * d + d)
+    ffn = d * f + f + f * d + d
+    ln = 2 * d
+    enc = c.enc_layers * (attn_self + ffn + 2 * ln)
+    dec = c.dec_layers * (attn_self + attn_cross + ffn + 3 * ln)
+    final_norms = 2 * ln if c.norm == "pre" else 0
+    positions = c.max_positions * d if c.positions == "learned" else 0
+    return v * d + v + enc + dec + final_norms + positions  # tied embeddings + output bias
+
+
+def gru_params(inp: int, h: int, layers: int, dirs: int) -> int:
+    total = 0
+    for layer in range(layers):
+        x = inp if layer == 0 else h * dirs
+        total += dirs * (3 * h * x + 3 * h * h + 6 * h)
+    return total
+
+
+def test_parameter_counts_match_formulas():
+    for name in ("transformer-pre", "transformer-post-learned-gelu"):
+        _, cfg = VARIANTS[name]
+        assert count_parameters(make(name)) == transformer_params(cfg, V)
+    c = VARIANTS["seq2seq-gru"][1]
+    e, h = c.emb_dim, c.hidden
+    expected = (
+        V * e
+        + gru_params(e, h, c.enc_layers, 2)  # source embedding + biGRU encoder
+        + (2 * h * h + h)
+        + (h * h * c.dec_layers + h * c.dec_layers)  # to_context, to_init
+        + V * e
+        + gru_params(e + h, h, c.dec_layers, 1)  # target embedding + decoder
+        + ((h + e + h) * e + e)
+        + V  # readout + output bias (weight tied)
+    )
+    assert count_parameters(make("seq2seq-gru")) == expected
+
+
+def test_seq2seq_decoder_sees_source_only_through_context():
+    """Two different sources with the same context vector c decode identically."""
+    model = make("seq2seq-gru")
+    src, mask, tgt = batch([6, 3], [5, 5])
+    memory = model.encode(src, mask)
+    assert set(memory) == {"context"} and memory["context"].dim() == 2  # no per-position states
+    swapped = {"context": memory["context"][[0, 0]]}
+    s1 = model.init_state(swapped)
+    s0 = model.init_state({"context": memory["context"][[0]]})
+    assert all(v.dim() <= 3 and v.size(1) != src.size(1) for v in s1.values())
+    for t in range(tgt.size(1)):
+        o1, s1 = model.step(tgt[[0, 0], t], s1)
+        o0, s0 = model.step(tgt[[0], t], s0)
+        torch.testing.assert_close(o1.logits[1], o0.logits[0])
+    # And the encoder outputs cannot reach forward() except through c: gradients w.r.t. the
+    # source embedding of every position flow only through the context vector.
+    model.train(False)
+    emb = model.encoder.embed.table.weight
+    emb.grad = None
+    c = model.encode(src, mask)["context"]
+    c.retain_grad()
+    logits = model._decode(tgt, model.init_state({"context": c}))[0]
+    logits.sum().backward()
+    assert c.grad is not None and c.grad.abs().sum() > 0

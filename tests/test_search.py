@@ -1,0 +1,342 @@
+"""Search properties on tiny models trained on Multi30k: greedy, beam, sampling and constraints.
+
+The models are trained through the Python API (seconds each) once per session: `tiny_run`
+keeps them in the session's throwaway NMT_CACHE_DIR, where tests/test_translate_cli.py finds
+them too. They do not translate well, which is fine: every property here holds for any model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_run
+
+from nmt.data.prepare import prepare
+from nmt.evaluate import load_model
+from nmt.models.base import StepOutput
+from nmt.search import SearchOptions, beam_search, force_decode, greedy, max_lengths, search
+from nmt.special import BOS_ID, EOS_ID, PAD_ID
+
+REPO = Path(__file__).resolve().parents[1]
+ARCHS = ("seq2seq", "rnn_attention", "transformer")
+# The transformer serves the beam-versus-greedy comparison, which needs a model past the
+# "same word forever" stage of training (at 80 steps beam-5 beats greedy on only 40-86% of
+# sentences, depending on the slice and the thread count; at 160 steps on 93-97%).
+STEPS = {"seq2seq": 40, "rnn_attention": 40, "transformer": 160}
+N_SOURCES = 100
+CPU = torch.device("cpu")
+
+
+@dataclass
+class Trained:
+    arch: str
+    model: torch.nn.Module
+    sources: list[list[int]]  # token ids (no EOS) of the first test_2016_flickr sentences
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two
+    spinning OpenMP pools make decoding 10-30x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def runs(multi30k_dir, _one_thread):
+    cache: dict[str, Trained] = {}
+
+    def get(arch: str) -> Trained:
+        if arch not in cache:
+            run_dir, cfg = tiny_run(arch, STEPS[arch])
+            split = prepare(cfg).split("test_2016_flickr")
+            sources = [split.src_ids(i).tolist() for i in range(N_SOURCES)]
+            cache[arch] = Trained(arch, load_model(run_dir, CPU).model, sources)
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(params=ARCHS)
+def trained(request, runs) -> Trained:
+    return runs(request.param)
+
+
+@pytest.fixture
+def transformer(runs) -> Trained:
+    return runs("transformer")
+
+
+def make_batch(sources: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded src[B,S] with EOS after every sentence, and its mask."""
+    width = max(len(s) for s in sources) + 1
+    src = torch.full((len(sources), width), PAD_ID, dtype=torch.long)
+    for i, s in enumerate(sources):
+        src[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        src[i, len(s)] = EOS_ID
+    return src, src != PAD_ID
+
+
+def varied(sources: list[list[int]], n: int) -> list[list[int]]:
+    """n sources of clearly different lengths (shortest, longest and in between)."""
+    by_len = sorted(sources, key=len)
+    picks = [by_len[round(i * (len(by_len) - 1) / (n - 1))] for i in range(n)]
+    assert len({len(s) for s in picks}) > n // 2
+    return picks
+
+
+def decode(model, sources, **opts):
+    src, mask = make_batch(sources)
+    return search(model, src, mask, SearchOptions(**opts))
+
+
+def tokens_of(results) -> list[list[int]]:
+    return [hyps[0].tokens for hyps in results]
+
+
+def model_logprob(model, source: list[int], tokens: list[int]) -> float:
+    src, mask = make_batch([source])
+    logps, _ = force_decode(model, src, mask, tokens)
+    return math.fsum(logps)
+
+
+class Biased(torch.nn.Module):
+    """A trained model pushed to extremes: `eos` > 0 wants to stop at once, < 0 never wants to
+    stop; `repeat` > 0 wants to repeat the previous token forever."""
+
+    def __init__(self, model: torch.nn.Module, eos: float = 0.0, repeat: float = 0.0) -> None:
+        super().__init__()
+        self.model, self.eos, self.repeat = model, eos, repeat
+
+    def encode(self, src, src_mask):
+        return self.model.encode(src, src_mask)
+
+    def init_state(self, memory):
+        return self.model.init_state(memory)
+
+    def step(self, prev, state):
+        out, state = self.model.step(prev, state)
+        logits = out.logits.clone()
+        logits[:, EOS_ID] += self.eos
+        logits[torch.arange(prev.size(0)), prev] += self.repeat
+        return StepOutput(logits, out.attention), state
+
+
+def test_beam_of_one_is_greedy(trained):
+    sources = trained.sources[:40]
+    src, mask = make_batch(sources)
+    g = greedy(trained.model, src, mask, SearchOptions(beam=1, length_penalty=0.0))
+    b = beam_search(trained.model, src, mask, SearchOptions(beam=1, length_penalty=0.0))
+    assert tokens_of(b) == tokens_of(g)
+    for gh, bh in zip(g, b):
+        assert bh[0].logprob == pytest.approx(gh[0].logprob, abs=1e-4)
+
+
+def test_beam_finds_higher_model_scores_than_greedy(transformer):
+    """Beam 5 is a better search than greedy for the model's own objective (sum of log-probs,
+    re-scored independently with force_decode in fp32) on the large majority of sentences."""
+    model, sources = transformer.model, transformer.sources
+    g = decode(model, sources, beam=1, length_penalty=0.0)
+    b = decode(model, sources, beam=5, length_penalty=0.0)
+    g_scores = [model_logprob(model, s, h[0].tokens) for s, h in zip(sources, g)]
+    b_scores = [model_logprob(model, s, h[0].tokens) for s, h in zip(sources, b)]
+    at_least = sum(bs >= gs - 1e-4 for bs, gs in zip(b_scores, g_scores))
+    assert at_least >= 0.8 * len(sources), f"beam >= greedy on only {at_least}/{len(sources)}"
+    assert sum(b_scores) / len(b_scores) > sum(g_scores) / len(g_scores)
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+@pytest.mark.parametrize("limits", ["natural", "tight"])
+def test_hypothesis_logprob_is_the_model_logprob(trained, beam, limits):
+    """Hypothesis.logprob equals force_decode's sum of token log-probs (EOS included), also for
+    outputs cut at the length limit, where EOS is forced but still costs its log-prob."""
+    model, sources = trained.model, trained.sources[:30]
+    src, mask = make_batch(sources)
+    a, b = (1.5, 10) if limits == "natural" else (0.0, 3)
+    opts = SearchOptions(beam=beam, nbest=beam, max_len_a=a, max_len_b=b)
+    results = search(model, src, mask, opts)
+    if limits == "tight":  # the forced-EOS case is exercised
+        assert any(len(h.tokens) == b - 1 for hyps in results for h in hyps)
+    for source, hyps in zip(sources, results):
+        for h in hyps:
+            assert h.logprob == pytest.approx(model_logprob(model, source, h.tokens), abs=1e-4)
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_batch_independence(trained, beam):
+    """A sentence decodes to the same tokens alone and inside a padded batch of others."""
+    sources = varied(trained.sources, 8)
+    batched = decode(trained.model, sources, beam=beam, nbest=beam)
+    for source, in_batch in zip(sources, batched):
+        alone = decode(trained.model, [source], beam=beam, nbest=beam)[0]
+        assert [h.tokens for h in alone] == [h.tokens for h in in_batch]
+        for a, c in zip(alone, in_batch):
+            assert a.logprob == pytest.approx(c.logprob, abs=1e-4)
+
+
+def test_incremental_decoding_equals_full_recompute(trained):
+    """The cached step-by-step decoder picks, at every step, the argmax of the logits that a full
+    forward pass over the whole prefix gives; the log-probs add up to the hypothesis logprob."""
+    model = trained.model
+    opts = SearchOptions(beam=1, length_penalty=0.0)
+    for source in varied(trained.sources, 6):
+        src, mask = make_batch([source])
+        hyp = search(model, src, mask, opts)[0][0]
+        limit = int(max_lengths(mask, opts)[0])
+        chosen = [*hyp.tokens, EOS_ID]
+        prefix = [BOS_ID]
+        total = 0.0
+        with torch.no_grad():
+            for t, token in enumerate(chosen):
+                logits = model(src, mask, torch.tensor([prefix]))[0, -1]
+                logp = torch.log_softmax(logits.float(), -1)
+                total += float(logp[token])
+                allowed = logp.clone()
+                allowed[[PAD_ID, BOS_ID]] = -math.inf
+                if t < opts.min_len:
+                    allowed[EOS_ID] = -math.inf
+                if t + 1 < limit:  # at the limit EOS is forced, not chosen
+                    assert int(allowed.argmax()) == token, f"step {t}"
+                prefix.append(token)
+        assert total == pytest.approx(hyp.logprob, abs=1e-4)
+
+
+def test_nbest_lists(trained):
+    alpha = 1.0
+    results = decode(trained.model, trained.sources[:30], beam=5, nbest=4, length_penalty=alpha)
+    for hyps in results:
+        assert len(hyps) == 4
+        scores = [h.score for h in hyps]
+        assert scores == sorted(scores, reverse=True)
+        assert len({tuple(h.tokens) for h in hyps}) == 4
+        for h in hyps:  # score = logprob / GNMT length penalty (EOS counted)
+            assert h.score == pytest.approx(h.logprob / ((5 + len(h.tokens) + 1) / 6) ** alpha)
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_max_length(trained, beam):
+    a, b = 0.6, 3
+    sources = trained.sources[:40]
+    bounds = [math.floor(a * (len(s) + 1) + b) - 1 for s in sources]  # src length with EOS
+    results = decode(trained.model, sources, beam=beam, nbest=beam, max_len_a=a, max_len_b=b)
+    for hyps, bound in zip(results, bounds):
+        assert all(len(h.tokens) <= bound for h in hyps)
+    # A model that never wants to stop is cut exactly at the bound.
+    endless = decode(Biased(trained.model, eos=-50.0), sources, beam=beam, max_len_a=a, max_len_b=b)
+    assert [len(t) for t in tokens_of(endless)] == bounds
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_min_length(trained, beam):
+    eager = Biased(trained.model, eos=50.0)  # wants to stop at once
+    sources = trained.sources[:20]
+    assert {len(t) for t in tokens_of(decode(eager, sources, beam=beam))} == {1}
+    results = decode(eager, sources, beam=beam, nbest=beam, min_len=6)
+    assert all(len(h.tokens) >= 6 for hyps in results for h in hyps)
+    assert {len(t) for t in tokens_of(results)} == {6}
+
+
+def repeated_ngrams(tokens: list[int], n: int) -> int:
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return len(grams) - len(set(grams))
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+@pytest.mark.parametrize("n", [2, 3])
+def test_no_repeat_ngram(trained, beam, n):
+    sources = trained.sources[:20]
+    stutter = Biased(trained.model, repeat=50.0)
+    free = decode(stutter, sources, beam=beam, nbest=beam)
+    assert all(repeated_ngrams(h.tokens, n) > 0 for hyps in free for h in hyps)
+    for model in (stutter, trained.model):
+        results = decode(model, sources, beam=beam, nbest=beam, no_repeat_ngram=n)
+        for hyps in results:
+            assert len(hyps) == beam
+            for h in hyps:
+                assert repeated_ngrams(h.tokens, n) == 0, h.tokens
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+@pytest.mark.parametrize("bias", [0.0, 50.0, -50.0])
+def test_fixed_length(trained, beam, bias):
+    model = Biased(trained.model, eos=bias) if bias else trained.model
+    results = decode(model, trained.sources[:20], beam=beam, nbest=beam, fixed_len=9)
+    assert {len(h.tokens) for hyps in results for h in hyps} == {9}
+
+
+def test_sampling_is_reproducible(trained):
+    sources = trained.sources[:20]
+    opts = dict(beam=1, sample=True, temperature=1.5, top_p=0.95)
+    first = tokens_of(decode(trained.model, sources, seed=7, **opts))
+    again = tokens_of(decode(trained.model, sources, seed=7, **opts))
+    other = tokens_of(decode(trained.model, sources, seed=8, **opts))
+    assert first == again
+    assert first != other
+
+
+@pytest.mark.parametrize("min_len", [1, 5])
+def test_sampling_top_k_1_is_greedy(trained, min_len):
+    """top-k=1 keeps only the best token the constraints allow, so it is greedy search."""
+    sources = trained.sources[:30]
+    kw = dict(beam=1, min_len=min_len, max_len_a=0.8, max_len_b=3)
+    g = decode(trained.model, sources, **kw)
+    s = decode(trained.model, sources, sample=True, top_k=1, temperature=0.7, seed=3, **kw)
+    assert tokens_of(s) == tokens_of(g)
+    for gh, sh in zip(g, s):
+        assert sh[0].logprob == pytest.approx(gh[0].logprob, abs=1e-5)
+    # Even a model that would stop at once: top-k is applied among allowed tokens only.
+    eager = Biased(trained.model, eos=50.0)
+    g = decode(eager, sources, **kw)
+    s = decode(eager, sources, sample=True, top_k=1, seed=3, **kw)
+    assert tokens_of(s) == tokens_of(g)
+
+
+class StepRecorder:
+    """Wraps model.step to record the number of rows decoded at each call."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.inner, self.sizes = model.step, []
+
+    def __call__(self, prev, state):
+        self.sizes.append(int(prev.size(0)))
+        return self.inner(prev, state)
+
+
+def test_finished_sentences_leave_the_batch_greedy(trained, monkeypatch):
+    sources = varied(trained.sources, 10)
+    recorder = StepRecorder(trained.model)
+    monkeypatch.setattr(trained.model, "step", recorder)
+    # Never wanting to stop, every sentence runs to its own length limit.
+    results = decode(Biased(trained.model, eos=-50.0), sources, beam=1)
+    ends = [len(t) + 1 for t in tokens_of(results)]  # steps each sentence took (EOS included)
+    assert len(set(ends)) > 1
+    # At step t exactly the sentences that have not emitted EOS yet are decoded.
+    assert recorder.sizes == [sum(e > t for e in ends) for t in range(max(ends))]
+    assert recorder.sizes[0] == len(sources) and recorder.sizes[-1] < len(sources)
+
+
+@pytest.mark.parametrize("eos", [0.0, -50.0])
+def test_finished_sentences_leave_the_batch_beam(trained, monkeypatch, eos):
+    k = 3
+    sources = varied(trained.sources, 10)
+    recorder = StepRecorder(trained.model)
+    monkeypatch.setattr(trained.model, "step", recorder)
+    opts = SearchOptions(beam=k)
+    src, mask = make_batch(sources)
+    search(Biased(trained.model, eos=eos), src, mask, opts)
+    sizes = recorder.sizes
+    assert sizes[0] == len(sources) * k
+    assert all(s % k == 0 for s in sizes)
+    assert all(a >= b for a, b in zip(sizes, sizes[1:]))
+    assert len(sizes) <= int(max_lengths(mask, opts).max())
+    if eos < 0:  # every sentence lives until its own limit, then leaves
+        limits = max_lengths(mask, opts).tolist()
+        assert sizes == [k * sum(lim > t for lim in limits) for t in range(max(limits))]
+    else:
+        assert sizes[-1] < sizes[0]

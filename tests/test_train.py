@@ -1,0 +1,480 @@
+"""Trainer tests: schedules, loss, accumulation, checkpoints, resume, signals, DDP, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nmt import NMTError, checkpoint, config
+from nmt.data.prepare import attach, prepare
+from nmt.models.base import Vocab
+from nmt.models.registry import build_model
+from nmt.models.transformer import TransformerConfig
+from nmt.train import _accumulate, label_smoothed_loss, lr_at, train
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "tiny"
+
+
+def tiny(arch: str = "transformer", *overrides: str) -> config.Config:
+    return config.load(TINY / f"{arch}.yaml", list(overrides))
+
+
+def run_cli(
+    *args: str, timeout: float = 300, env: dict[str, str] | None = None, **kwargs
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "400", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "nmt", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=kwargs.get("cwd"),
+    )
+
+
+def start_cli(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "COLUMNS": "400"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "nmt", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def train_api(cfg: config.Config, run_dir: Path, **kwargs):
+    attach(prepare(cfg), cfg, run_dir)
+    return train(cfg, run_dir, **kwargs)
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]
+
+
+# -- pure pieces ----------------------------------------------------------------------------
+
+
+def test_inverse_sqrt_schedule_values():
+    t = config.TrainConfig(lr=1e-3, warmup_steps=100, max_steps=1000)
+    assert lr_at(1, t, 1000) == pytest.approx(1e-5)
+    assert lr_at(50, t, 1000) == pytest.approx(5e-4)
+    assert lr_at(100, t, 1000) == pytest.approx(1e-3)
+    assert lr_at(400, t, 1000) == pytest.approx(5e-4)  # 1e-3 * sqrt(100/400)
+
+
+def test_cosine_constant_plateau_schedule_values():
+    t = config.TrainConfig(lr=1e-3, warmup_steps=10, schedule="cosine", min_lr=1e-5, max_steps=110)
+    assert lr_at(5, t, 110) == pytest.approx(5e-4)
+    assert lr_at(10, t, 110) == pytest.approx(1e-3)
+    assert lr_at(60, t, 110) == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5))
+    assert lr_at(110, t, 110) == pytest.approx(1e-5)
+    c = config.TrainConfig(lr=2e-4, warmup_steps=0, schedule="constant", max_steps=5)
+    assert [lr_at(s, c, 5) for s in (1, 3, 5)] == [2e-4] * 3
+    p = config.TrainConfig(lr=2e-4, warmup_steps=4, schedule="plateau", max_steps=5)
+    assert lr_at(2, p, 5) == pytest.approx(1e-4) and lr_at(9, p, 5) == pytest.approx(2e-4)
+
+
+def test_label_smoothing_matches_hand_computation():
+    logits = torch.tensor([[[2.0, 0.5, -1.0, 0.0], [0.1, 0.2, 0.3, 0.4], [1.0, 1.0, 1.0, 1.0]]])
+    target = torch.tensor([[1, 3, 0]])  # the last position is padding (id 0)
+    eps = 0.1
+    logp = torch.log_softmax(logits, -1)
+    expected = 0.0
+    for t in range(2):
+        nll = -logp[0, t, target[0, t]]
+        uniform = -logp[0, t].mean()
+        expected += (1 - eps) * nll + eps * uniform
+    assert float(label_smoothed_loss(logits, target, eps)) == pytest.approx(
+        float(expected), rel=1e-6
+    )
+    assert float(label_smoothed_loss(logits, target, 0.0)) == pytest.approx(
+        float(-logp[0, 0, 1] - logp[0, 1, 3]), rel=1e-6
+    )
+
+
+def test_accumulating_half_batches_equals_one_full_batch():
+    cfg = tiny("transformer")
+    prepared = prepare(cfg)
+    split = prepared.split("train")
+    v = prepared.summary["vocab"]
+    vocab = Vocab(v["src"], v["tgt"], v["joint"])
+    model = build_model(
+        "transformer",
+        TransformerConfig(d_model=32, heads=2, enc_layers=1, dec_layers=1, ffn_dim=64, dropout=0.0),
+        vocab,
+    )
+    idx = list(range(16))
+    full = [split.collate(idx)]
+    halves = [split.collate(idx[:5]), split.collate(idx[5:])]
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    t = cfg.train
+    grads = []
+    for group in (full, halves):
+        model.zero_grad(set_to_none=True)
+        tokens = sum(b.tgt_tokens for b in group)
+        assert tokens == full[0].tgt_tokens
+        _accumulate(model, group, tokens, 1, torch.device("cpu"), "fp32", scaler, t)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+
+
+def test_checkpoint_save_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "last.pt"
+    checkpoint.save({"model": {"w": torch.ones(3)}}, path)
+
+    def crash(obj, f, *a, **k):
+        f.write(b"partial")
+        raise KeyboardInterrupt("power cut")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save({"model": {"w": torch.zeros(3)}}, path)
+    monkeypatch.undo()
+    torch.testing.assert_close(checkpoint.load(path)["model"]["w"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]  # no temporary left behind
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+class Custom:
+    """A class torch does not allow-list: loading it would run its module's code."""
+
+
+def test_unsafe_truncated_and_foreign_checkpoints_are_refused(tmp_path):
+    good = tmp_path / "good.pt"
+    checkpoint.save({"model": {"w": torch.ones(1000)}}, good)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"\x00not a checkpoint" * 10)
+    unsafe = tmp_path / "unsafe.pt"
+    torch.save({"format": checkpoint.FORMAT, "model": Evil()}, unsafe)
+    custom = tmp_path / "custom.pt"
+    torch.save({"format": checkpoint.FORMAT, "model": Custom()}, custom)
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"state_dict": {"w": torch.ones(2)}}, foreign)
+    for path, words in (
+        (truncated, "truncated"),
+        (garbage, "truncated"),
+        (unsafe, "arbitrary code"),
+        (custom, "arbitrary code"),
+        (foreign, "not an nmt"),
+    ):
+        with pytest.raises(NMTError, match=words):
+            checkpoint.load(path)
+
+
+# -- training runs --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["seq2seq", "rnn_attention", "transformer"])
+def test_overfits_a_tiny_real_slice(arch, tmp_path):
+    """64 Multi30k pairs, no regularisation: the training loss falls far below its start."""
+    cfg = tiny(
+        arch,
+        "data.limit_train=64",
+        "tokenizer.vocab_size=400",
+        "train.max_steps=150",
+        "train.lr=0.005",
+        "train.warmup_steps=10",
+        "train.label_smoothing=0.0",
+        "train.log_every=10",
+        "train.valid_every=1000",
+        "train.valid_bleu=false",
+        "train.precision=fp32",
+        "model.dropout=0.0",
+        "train.schedule=constant",
+    )
+    result = train_api(cfg, tmp_path / arch)
+    losses = [
+        json.loads(x)["loss"]
+        for x in (tmp_path / arch / "metrics.jsonl").read_text().splitlines()
+        if '"train"' in x
+    ]
+    assert losses[0] > 4.0
+    assert losses[-1] < 0.5, f"{arch} did not overfit: {losses}"
+    assert result.progress.step == 150
+
+
+def test_bf16_training_on_cpu_keeps_fp32_master_weights(tmp_path):
+    cfg = tiny(
+        "transformer", "train.precision=bf16", "train.max_steps=20", "train.valid_bleu=false"
+    )
+    result = train_api(cfg, tmp_path / "bf16")
+    params = final_params(tmp_path / "bf16")
+    assert all(p.dtype == torch.float32 for p in params.values() if p.is_floating_point())
+    record = [json.loads(x) for x in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["loss"]) for r in record)
+    assert result.progress.skipped_steps == 0
+
+
+def test_early_stopping_with_patience(tmp_path):
+    cfg = tiny(
+        "transformer",
+        "train.lr=1e-12",
+        "train.schedule=constant",
+        "train.warmup_steps=0",
+        "train.max_steps=100",
+        "train.valid_every=5",
+        "train.patience=2",
+        "train.precision=fp32",
+    )
+    result = train_api(cfg, tmp_path / "early")
+    assert result.stop_reason.startswith("early stopping")
+    assert result.progress.step == 15 and result.progress.best_step == 5
+    assert (tmp_path / "early" / "checkpoints" / "best.pt").is_file()
+
+
+def test_non_finite_losses_stop_training_with_a_usable_checkpoint(tmp_path, monkeypatch):
+    import nmt.train as trainer
+
+    real = trainer.label_smoothed_loss
+    monkeypatch.setattr(trainer, "label_smoothed_loss", lambda *a: real(*a) * float("nan"))
+    cfg = tiny(
+        "transformer", "train.max_steps=50", "train.max_nonfinite=3", "train.valid_bleu=false"
+    )
+    result = train_api(cfg, tmp_path / "nan")
+    assert result.stop_reason.startswith("stopped: the loss was not finite for 3")
+    assert result.progress.step == 3 and result.progress.skipped_steps == 3
+    params = final_params(tmp_path / "nan")
+    assert all(torch.isfinite(p).all() for p in params.values() if p.is_floating_point())
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+RESUME_SETS = [
+    "--set",
+    "train.precision=fp32",
+    "--set",
+    "train.max_steps=45",
+    "--set",
+    "train.save_every=5",
+    "--set",
+    "train.keep_last=20",
+    "--set",
+    "train.valid_every=1000",
+    "--set",
+    "train.log_every=5",
+]
+
+
+def test_exact_resume_after_sigkill(tmp_path):
+    """Killed at an arbitrary step and resumed: parameters bitwise equal to an uninterrupted run
+    (the run crosses an epoch boundary, and dropout makes RNG restoration matter)."""
+    recipe = str(TINY / "transformer.yaml")
+    ref = run_cli("train", recipe, "--run-dir", str(tmp_path / "ref"), *RESUME_SETS)
+    assert ref.returncode == 0, ref.stderr
+    proc = start_cli("train", recipe, "--run-dir", str(tmp_path / "killed"), *RESUME_SETS)
+    _wait_for(tmp_path / "killed" / "checkpoints" / "step-20.pt", proc)
+    time.sleep(0.3)  # somewhere after step 20, mid-step
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = run_cli(
+        "train", recipe, "--run-dir", str(tmp_path / "killed"), "--resume", *RESUME_SETS
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from step" in resumed.stderr
+    a, b = final_params(tmp_path / "ref"), final_params(tmp_path / "killed")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+    def logged(run: str) -> list[tuple[int, float]]:
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["kind"] == "train"]
+
+    assert logged("killed") == logged("ref")  # no step logged twice, same losses
+
+
+def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
+    recipe = str(TINY / "transformer.yaml")
+    run_dir = tmp_path / "term"
+    sets = [
+        "--set",
+        "train.max_steps=100000",
+        "--set",
+        "train.save_every=5",
+        "--set",
+        "train.valid_every=100000",
+    ]
+    proc = start_cli("train", recipe, "--run-dir", str(run_dir), *sets)
+    _wait_for(run_dir / "checkpoints" / "step-5.pt", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "interrupted (SIGTERM)" in stderr and "--resume" in stderr
+    step = checkpoint.load(run_dir / "checkpoints" / "last.pt")["progress"]["step"]
+    assert 5 <= step < 100000
+    again = run_cli("train", recipe, "--run-dir", str(run_dir))
+    assert again.returncode == 2 and "--resume" in again.stderr  # never overwrites a run
+    resumed = run_cli(
+        "train",
+        recipe,
+        "--run-dir",
+        str(run_dir),
+        "--resume",
+        "--set",
+        f"train.max_steps={step + 3}",
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert checkpoint.load(run_dir / "checkpoints" / "last.pt")["progress"]["step"] == step + 3
+
+
+def test_ddp_two_gloo_processes_match_one_process_accumulating(tmp_path):
+    """2 ranks x 1 batch per step == 1 rank x 2 accumulated batches (same batches, no dropout)."""
+    recipe = str(TINY / "transformer.yaml")
+    sets = [
+        "--set",
+        "train.precision=fp32",
+        "--set",
+        "train.max_steps=8",
+        "--set",
+        "model.dropout=0.0",
+        "--set",
+        "train.valid_every=1000",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "train.valid_bleu=false",
+    ]
+    # One thread per process in both runs, so each batch's kernels sum in the same order and
+    # the runs differ only by where the two batches' gradients are added (all-reduce vs .grad).
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    single = run_cli(
+        "train",
+        recipe,
+        "--run-dir",
+        str(tmp_path / "one"),
+        *sets,
+        "--set",
+        "train.accumulate=2",
+        env=one_thread,
+    )
+    assert single.returncode == 0, single.stderr
+    env = {**os.environ, "COLUMNS": "400", **one_thread}
+    ddp = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "nmt",
+            "train",
+            recipe,
+            "--run-dir",
+            str(tmp_path / "two"),
+            *sets,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+
+    def losses(run: str) -> list[float]:
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(x)["loss"] for x in lines if '"train"' in x]
+
+    assert len(losses("one")) == len(losses("two")) == 8
+    for x, y in zip(losses("one"), losses("two")):
+        assert x == pytest.approx(y, rel=1e-4)
+    # Parameters: bitwise equal. Each rank's gradient is 2x the accumulating run's (loss scaled
+    # by world, a power of two), the all-reduce mean halves it, and g1 + g2 == g2 + g1.
+    a, b = final_params(tmp_path / "one"), final_params(tmp_path / "two")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("arch", ["seq2seq", "rnn_attention", "transformer"])
+def test_cli_train_then_translate_each_architecture(arch, tmp_path):
+    run_dir = tmp_path / arch
+    res = run_cli(
+        "train",
+        str(TINY / f"{arch}.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "train.max_steps=20",
+        "--set",
+        "train.valid_every=10",
+        "--set",
+        "train.save_every=10",
+    )
+    assert res.returncode == 0, res.stderr
+    assert "reached train.max_steps=20" in res.stderr
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "train.log",
+        "tokenizer/spm.model",
+        "checkpoints/last.pt",
+        "checkpoints/best.pt",
+        "checkpoints/step-10.pt",
+    ):
+        assert (run_dir / name).is_file(), name
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kinds = [r["kind"] for r in records]
+    assert kinds.count("valid") == 2 and kinds.count("train") == 2
+    valid = [r for r in records if r["kind"] == "valid"]
+    assert all(0 <= r["bleu"] <= 100 and r["ppl"] > 1 for r in valid)
+    log = (run_dir / "train.log").read_text()
+    assert "resolved config" in log and f"arch: {arch}" in log and '"params"' in log
+    expected = tiny(arch, "train.max_steps=20", "train.valid_every=10", "train.save_every=10")
+    assert config.load(run_dir / "config.yaml") == expected  # reproducible from the folder
+    tr = subprocess.run(
+        [sys.executable, "-m", "nmt", "translate", str(run_dir)],
+        input="A dog runs.\n\nTwo men.\n",
+        capture_output=True,
+        text=True,
+        env={**os.environ},
+        timeout=120,
+    )
+    assert tr.returncode == 0, tr.stderr
+    lines = tr.stdout.split("\n")
+    assert len(lines) == 4 and lines[1] == "" and lines[0] and lines[2]
+
+
+def test_train_refuses_bad_input_without_touching_the_run(tmp_path):
+    res = run_cli(
+        "train",
+        str(TINY / "transformer.yaml"),
+        "--run-dir",
+        str(tmp_path / "x"),
+        "--set",
+        "train.batch_tokens=abc",
+    )
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0 and "train.batch_tokens" in res.stderr
+    assert not (tmp_path / "x").exists()
+    res = run_cli(
+        "train", str(TINY / "transformer.yaml"), "--run-dir", str(tmp_path / "y"), "--resume"
+    )
+    assert res.returncode == 2 and "nothing to resume" in res.stderr

@@ -1,0 +1,416 @@
+"""End to end through the command line: `nmt translate`, `nmt evaluate` and `nmt average` in
+subprocesses, on runs of the tiny recipes trained through the Python API once per session
+(`tiny_run` keeps them in the session's throwaway NMT_CACHE_DIR, shared with test_search.py)."""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sacrebleu
+import torch
+from conftest import tiny_run
+
+from nmt.data.prepare import prepare
+from nmt.evaluate import load_model, search_options, translate_lines
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Outputs compared across calls or with the Python API are decoded in fp32: `auto` picks bf16 on
+# CPUs with native bf16 (AVX512-BF16/AMX), and bf16 decoding gives other tokens than fp32.
+FP32 = ("--precision", "fp32")
+CPU = torch.device("cpu")
+
+
+def nmt_cli(*args, stdin: str = "", cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,  # NMT_DATA_DIR and NMT_CACHE_DIR from the session fixture
+        "COLUMNS": "400",
+        "OMP_NUM_THREADS": "1",  # tiny models; a shared 2-core machine
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "nmt", *map(str, args)],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=600,
+    )
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    """Exit code 2, one line on stderr, no traceback, nothing on stdout."""
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert result.stdout == ""
+    return lines[0]
+
+
+def out_lines(text: str) -> list[str]:
+    lines = text.split("\n")
+    assert lines[-1] == ""  # every output line ends with a newline
+    return lines[:-1]
+
+
+def read_gz_lines(path: Path) -> list[str]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return out_lines(f.read())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def run(multi30k_dir, _one_thread) -> Path:
+    """Tiny transformer, 160 steps; step checkpoints 80 and 120 kept."""
+    run_dir, _ = tiny_run("transformer", 160)
+    steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*.pt"))
+    assert steps == ["step-120.pt", "step-80.pt"]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def short_runs(multi30k_dir, _one_thread):
+    """rnn_attention and seq2seq runs: enough for attention and its absence."""
+    return lambda arch: tiny_run(arch, 40)[0]
+
+
+@pytest.fixture(scope="module")
+def english(multi30k_dir) -> list[str]:
+    return read_gz_lines(multi30k_dir / "test_2016_flickr.en.gz")[:12]
+
+
+@pytest.fixture(scope="module")
+def long_line(multi30k_dir) -> str:
+    """300 words: longer than any training sentence."""
+    words = " ".join(read_gz_lines(multi30k_dir / "train.en.gz")[:60]).split()
+    line = " ".join(words[:300])
+    assert len(line.split()) == 300
+    return line
+
+
+@pytest.fixture(scope="module")
+def file_translation(run, english, long_line, tmp_path_factory):
+    """`nmt translate RUN --input F --output G`: (input lines, output lines)."""
+    lines = [*english[:3], "", *english[3:6], "   ", *english[6:], long_line, ""]
+    work = tmp_path_factory.mktemp("translate")
+    src, out = work / "in.en", work / "out.de"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    ok(nmt_cli("translate", run, "--input", src, "--output", out, *FP32))
+    return lines, out_lines(out.read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def api_translations(run, file_translation) -> list[tuple[str, float] | None]:
+    """(text, score) of every input line translated alone through the Python API (fp32, the
+    run's decode settings); None for empty lines."""
+    lines, _ = file_translation
+    loaded = load_model(run, CPU)
+    d = loaded.config.decode
+    out = []
+    for line in lines:
+        nbest = translate_lines(
+            loaded.model, loaded.tokenizer, [line], search_options(d), d.batch_tokens, CPU, "fp32"
+        )[0]
+        out.append((nbest[0][0], nbest[0][1].score) if nbest else None)
+    return out
+
+
+def test_translate_file_one_line_per_line(file_translation, api_translations):
+    lines, outputs = file_translation
+    assert len(outputs) == len(lines)
+    for line, output, expected in zip(lines, outputs, api_translations):
+        if line.strip():
+            assert output.strip(), f"no translation for {line!r}"
+            # Translated in a batch of others, each line still gets its own translation.
+            assert output == expected[0]
+        else:
+            assert expected is None
+            assert output == ""
+
+
+def test_translate_long_line(run, file_translation, api_translations, long_line):
+    """A line longer than any training sentence translates like any other line."""
+    loaded = load_model(run, CPU)
+    train_split = prepare(loaded.config).split("train")
+    assert len(loaded.tokenizer.encode_src([long_line])[0]) > train_split.src_lens.max()
+    lines, outputs = file_translation
+    i = lines.index(long_line)
+    assert outputs[i] and outputs[i] == api_translations[i][0]
+
+
+def test_translate_stdin_any_order_with_scores(run, file_translation, api_translations):
+    """Shuffled lines through stdin -> stdout: every line gets the translation it got in file
+    order (length-sorted batching does not leak into the output order); --scores appends a tab
+    and the model score to every translated line."""
+    lines, outputs = file_translation
+    order = list(range(len(lines)))
+    random.Random(0).shuffle(order)
+    stdin = "\n".join(lines[i] for i in order) + "\n"
+    result = ok(nmt_cli("translate", run, "--scores", *FP32, stdin=stdin))
+    rows = out_lines(result.stdout)
+    assert len(rows) == len(lines)
+    for row, i in zip(rows, order):
+        if not lines[i].strip():
+            assert row == ""
+            continue
+        text, tab, score = row.rpartition("\t")
+        assert tab == "\t"
+        assert text == outputs[i]
+        assert float(score) == pytest.approx(api_translations[i][1], abs=1e-4)
+        assert float(score) < 0
+
+
+def test_translate_nbest(run, english, file_translation):
+    _, outputs = file_translation
+    sentences = english[:4]
+    result = ok(
+        nmt_cli("translate", run, "--nbest", "3", "--beam", "3", *FP32, stdin="\n".join(sentences))
+    )
+    rows = out_lines(result.stdout)
+    assert len(rows) == 3 * len(sentences)
+    parsed = []
+    for row in rows:
+        m = re.fullmatch(r"(\d+) \|\|\| (.*) \|\|\| (-?\d+\.\d+)", row)
+        assert m, row
+        parsed.append((int(m.group(1)), m.group(2), float(m.group(3))))
+    assert [i for i, _, _ in parsed] == [i for i in range(len(sentences)) for _ in range(3)]
+    for i in range(len(sentences)):
+        nbest = parsed[3 * i : 3 * i + 3]
+        scores = [s for _, _, s in nbest]
+        assert scores == sorted(scores, reverse=True)
+        assert all(s < 0 for s in scores)
+        # The recipe decodes with beam 3: the first of the 3-best is the plain translation.
+        assert nbest[0][1] == outputs[i if i < 3 else i + 1]
+
+
+@pytest.mark.parametrize("arch", ["transformer", "rnn_attention"])
+def test_attention_plot(arch, run, short_runs, english, tmp_path):
+    run_dir = run if arch == "transformer" else short_runs(arch)
+    png = tmp_path / "attention.png"
+    result = ok(nmt_cli("translate", run_dir, "--attention-plot", png, stdin=english[0] + "\n"))
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert len(out_lines(result.stdout)) == 1  # the translation is printed as well
+
+
+def test_attention_plot_without_attention(short_runs, english, tmp_path):
+    png = tmp_path / "attention.png"
+    result = nmt_cli(
+        "translate", short_runs("seq2seq"), "--attention-plot", png, stdin=english[0] + "\n"
+    )
+    assert "no attention" in one_line_error(result)
+    assert not png.exists()
+
+
+@pytest.fixture(scope="module")
+def split_evaluation(run, multi30k_dir):
+    result = ok(nmt_cli("evaluate", run, "--split", "test_2016_flickr", "--json"))
+    hyp_file = run / "translations" / "test_2016_flickr.de"
+    refs = read_gz_lines(multi30k_dir / "test_2016_flickr.de.gz")
+    return json.loads(result.stdout), hyp_file, refs
+
+
+def sacrebleu_scores(hyps: list[str], refs: list[list[str]]) -> dict[str, float]:
+    return {
+        "bleu": sacrebleu.corpus_bleu(hyps, refs).score,
+        "chrf": sacrebleu.corpus_chrf(hyps, refs).score,
+        "ter": sacrebleu.corpus_ter(hyps, refs).score,
+    }
+
+
+def test_evaluate_split(split_evaluation):
+    report, hyp_file, refs = split_evaluation
+    assert report["n_sentences"] == 1000
+    for metric in ("bleu", "chrf", "ter"):
+        assert isinstance(report[metric]["score"], float)
+        assert "nrefs:1" in report[metric]["signature"]
+    # The hypotheses it wrote, scored by sacreBLEU itself against the raw test references.
+    hyps = out_lines(hyp_file.read_text(encoding="utf-8"))
+    assert len(hyps) == len(refs) == 1000
+    expected = sacrebleu_scores(hyps, [refs])
+    for metric, score in expected.items():
+        assert report[metric]["score"] == pytest.approx(score, abs=1e-9), metric
+
+
+@pytest.fixture
+def files(split_evaluation, tmp_path):
+    """hyp, ref, a second reference and a second system, as plain text files."""
+    _, hyp_file, refs = split_evaluation
+    hyps = out_lines(hyp_file.read_text(encoding="utf-8"))
+    ref2 = [" ".join(r.split()[:-1]) for r in refs]  # another (shorter) reference
+    other = [h if i % 2 else " ".join(h.split()[:3]) for i, h in enumerate(hyps)]
+    paths = {}
+    for name, lines in (("hyp", hyps), ("ref", refs), ("ref2", ref2), ("other", other)):
+        paths[name] = tmp_path / f"{name}.txt"
+        paths[name].write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return paths, {"hyp": hyps, "ref": refs, "ref2": ref2, "other": other}
+
+
+def test_evaluate_files_equals_sacrebleu(files):
+    paths, lines = files
+    report = json.loads(
+        ok(nmt_cli("evaluate", "--hyp", paths["hyp"], "--ref", paths["ref"], "--json")).stdout
+    )
+    assert report["n_sentences"] == 1000
+    expected = sacrebleu_scores(lines["hyp"], [lines["ref"]])
+    for metric, score in expected.items():
+        assert report[metric]["score"] == pytest.approx(score, abs=1e-9), metric
+
+
+def test_evaluate_two_references_and_bootstrap(files):
+    paths, lines = files
+    n = 100
+    result = ok(
+        nmt_cli(
+            "evaluate",
+            "--hyp",
+            paths["hyp"],
+            "--ref",
+            paths["ref"],
+            "--ref",
+            paths["ref2"],
+            "--compare-hyp",
+            paths["other"],
+            "--bootstrap-samples",
+            n,
+            "--json",
+        )
+    )
+    report = json.loads(result.stdout)
+    expected = sacrebleu_scores(lines["hyp"], [lines["ref"], lines["ref2"]])
+    for metric, score in expected.items():
+        assert report[metric]["score"] == pytest.approx(score, abs=1e-9), metric
+        assert "nrefs:2" in report[metric]["signature"]
+    boot = report["bootstrap"]
+    assert boot["n_samples"] == n
+    other_bleu = sacrebleu.corpus_bleu(lines["other"], [lines["ref"], lines["ref2"]]).score
+    for name, bleu in (("system", expected["bleu"]), ("compare", other_bleu)):
+        for metric in ("bleu", "chrf"):
+            r = boot[name][metric]
+            assert r["ci_low"] <= r["score"] <= r["ci_high"], (name, metric, r)
+            assert r["ci_low"] < r["ci_high"]
+        assert boot[name]["bleu"]["score"] == pytest.approx(bleu, abs=1e-6)
+    for metric in ("bleu", "chrf"):
+        assert 0.0 <= boot["system"][metric]["p_value"] <= 1.0
+        assert boot["compare"][metric]["p_value"] is None  # the baseline of the test
+
+
+def test_evaluate_mismatched_line_counts(files, tmp_path):
+    paths, lines = files
+    short = tmp_path / "short.txt"
+    short.write_text("\n".join(lines["ref"][:-1]) + "\n", encoding="utf-8")
+    message = one_line_error(nmt_cli("evaluate", "--hyp", paths["hyp"], "--ref", short))
+    assert str(paths["hyp"]) in message and str(short) in message
+    assert "1000" in message and "999" in message
+
+
+def test_evaluate_missing_file(files, tmp_path):
+    paths, _ = files
+    missing = tmp_path / "missing.txt"
+    message = one_line_error(nmt_cli("evaluate", "--hyp", missing, "--ref", paths["ref"]))
+    assert str(missing) in message
+
+
+def copy_run(run: Path, dest: Path) -> Path:
+    shutil.copytree(run, dest, ignore=shutil.ignore_patterns("translations", "step-*.pt"))
+    return dest
+
+
+class CustomDict(collections.OrderedDict):
+    """Loading this needs the class: arbitrary code."""
+
+
+class Custom:
+    def __init__(self) -> None:
+        self.weights = [1.0, 2.0]
+
+
+@pytest.mark.parametrize("kind", ["garbage", "text", "truncated"])
+def test_corrupt_checkpoint(run, tmp_path, kind):
+    copy = copy_run(run, tmp_path / "run")
+    best = copy / "checkpoints" / "best.pt"
+    data = best.read_bytes()
+    best.write_bytes(
+        {
+            "garbage": random.Random(0).randbytes(4096),
+            "text": b"this is not a checkpoint\n" * 100,
+            "truncated": data[: len(data) // 2],
+        }[kind]
+    )
+    message = one_line_error(nmt_cli("translate", copy, stdin="A man.\n"))
+    assert str(best) in message
+    assert "arbitrary code" not in message  # corrupt, not dangerous
+
+
+@pytest.mark.parametrize("kind", ["torch.save", "pickle"])
+def test_checkpoint_needing_code_is_refused(run, tmp_path, kind):
+    copy = copy_run(run, tmp_path / "run")
+    best = copy / "checkpoints" / "best.pt"
+    if kind == "torch.save":
+        payload = torch.load(best, map_location="cpu", weights_only=True)
+        torch.save(CustomDict(payload), best)
+    else:
+        best.write_bytes(pickle.dumps(Custom(), protocol=2))
+    message = one_line_error(nmt_cli("translate", copy, stdin="A man.\n"))
+    assert str(best) in message
+    assert "arbitrary code" in message
+
+
+def test_average_last_checkpoints(run, english, tmp_path):
+    ok(nmt_cli("average", run, "--last", "2"))
+    ckpt_dir = run / "checkpoints"
+    averaged = torch.load(ckpt_dir / "averaged.pt", map_location="cpu", weights_only=True)
+    steps = [
+        torch.load(ckpt_dir / f"step-{s}.pt", map_location="cpu", weights_only=True)["model"]
+        for s in (80, 120)
+    ]
+    assert set(averaged["model"]) == set(steps[0])
+    differing = 0
+    for key, value in averaged["model"].items():
+        a, b = steps[0][key], steps[1][key]
+        if value.is_floating_point():
+            torch.testing.assert_close(value, ((a.double() + b.double()) / 2).to(a.dtype))
+            differing += not torch.equal(a, b)
+        else:
+            assert torch.equal(value, a)
+    assert differing > 0  # the two checkpoints are different models
+
+    # Translating with the averaged checkpoint = translating with the mean parameters.
+    src = tmp_path / "in.en"
+    src.write_text("\n".join(english[:5]) + "\n", encoding="utf-8")
+    result = ok(nmt_cli("translate", ckpt_dir / "averaged.pt", "--input", src, *FP32))
+    loaded = load_model(run, CPU)
+    loaded.model.load_state_dict(
+        {
+            k: ((a.double() + steps[1][k].double()) / 2).to(a.dtype) if a.is_floating_point() else a
+            for k, a in steps[0].items()
+        }
+    )
+    d = loaded.config.decode
+    expected = translate_lines(
+        loaded.model, loaded.tokenizer, english[:5], search_options(d), d.batch_tokens, CPU, "fp32"
+    )
+    assert out_lines(result.stdout) == [nbest[0][0] for nbest in expected]
