@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--beam", type=int, default=5)
-    p.add_argument("--precisions", nargs="+", default=list(bu.PRECISIONS), choices=bu.PRECISIONS)
+    p.add_argument("--precisions", nargs="+", default=None, choices=bu.PRECISIONS)
     p.add_argument(
         "--fixed-len", type=int, default=None, help="N output tokens (0 = free decoding)"
     )
@@ -87,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke test: 128 sentences, 6 tokens")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
+    args.precisions = args.precisions or bu.default_precisions()
     if args.fixed_len is None:
         args.fixed_len = 0 if args.run else (6 if args.quick else 20)
     if args.quick:

@@ -60,7 +60,7 @@ BIG = 10**9
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--archs", nargs="+", default=list(bu.ARCHS), choices=bu.ARCHS)
-    p.add_argument("--precisions", nargs="+", default=list(bu.PRECISIONS), choices=bu.PRECISIONS)
+    p.add_argument("--precisions", nargs="+", default=None, choices=bu.PRECISIONS)
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
     p.add_argument(
         "--log-every", type=int, default=10, help="train.log_every (first interval = warm-up)"
@@ -73,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke test: tiny batches, a few steps")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
+    args.precisions = args.precisions or bu.default_precisions()
     if args.quick:
         args.steps, args.log_every = 6, 2
         args.batch_tokens = args.batch_tokens or 600
