@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -19,6 +20,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+@functools.cache
 def cpu_has_bf16() -> bool:
     """Native bf16 matrix units (AVX512-BF16 / AMX) make CPU bf16 autocast worthwhile."""
     try:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from nmt.device import cpu_has_bf16
 from nmt.special import PAD_ID
 
 
@@ -74,6 +75,15 @@ class Positions(nn.Module):
         return self.table[positions.clamp(max=self.table.size(0) - 1)]
 
 
+def _lstm_needs_fp32() -> bool:
+    """CPU bf16 autocast on a CPU without native bf16 units."""
+    return (
+        torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        and not cpu_has_bf16()
+    )
+
+
 class RNN(nn.Module):
     """A GRU or LSTM whose hidden state is exchanged batch-first: [B, L*dirs, H]."""
 
@@ -105,7 +115,14 @@ class RNN(nn.Module):
         h0 = None if hidden is None else hidden.transpose(0, 1).contiguous()  # [L,B,H]
         if self.is_lstm:
             c0 = None if cell is None else cell.transpose(0, 1).contiguous()
-            out, (h, c) = self.rnn(x, None if h0 is None else (h0, c0))
+            if _lstm_needs_fp32():
+                # oneDNN has no bf16 LSTM primitive on CPUs without native bf16 ("could not
+                # create a primitive descriptor"): run the cell in fp32 there.
+                with torch.autocast("cpu", enabled=False):
+                    hc = None if h0 is None else (h0.float(), c0.float())
+                    out, (h, c) = self.rnn(x.float(), hc)
+            else:
+                out, (h, c) = self.rnn(x, None if h0 is None else (h0, c0))
             return out, h.transpose(0, 1), c.transpose(0, 1)
         out, h = self.rnn(x, h0)
         return out, h.transpose(0, 1), None
