@@ -155,16 +155,14 @@ def beam_search(
     k = opts.beam
     b = src.size(0)
     device = src.device
-    state = reorder_state(
-        _start(model, src, src_mask), torch.arange(b, device=device).repeat_interleave(k)
-    )
+    state = _start(model, src, src_mask)  # one row per sentence until the first expansion
+    width = 1  # hypotheses per sentence: 1 before the first step, K after
     limit = max_lengths(src_mask, opts)  # [B]
     max_t = int(limit.max())
     alive = torch.arange(b, device=device)  # [b] original sentence ids of active sentences
-    scores = torch.full((b, k), NEG, device=device)
-    scores[:, 0] = 0.0  # [b,K] cumulative log-probs; one live beam to start
-    tokens = torch.zeros(b * k, 0, dtype=torch.long, device=device)  # [b*K, t]
-    prev = torch.full((b * k,), BOS_ID, dtype=torch.long, device=device)
+    scores = torch.zeros(b, 1, device=device)  # [b,width] cumulative log-probs
+    tokens = torch.zeros(b, 0, dtype=torch.long, device=device)  # [b*width, t]
+    prev = torch.full((b,), BOS_ID, dtype=torch.long, device=device)
     pool_norm = torch.full((b, k), NEG, device=device)  # finished pool, normalised scores
     pool_raw = torch.full((b, k), NEG, device=device)
     pool_tok = torch.full((b, k, max_t), PAD_ID, dtype=torch.long, device=device)
@@ -172,13 +170,16 @@ def beam_search(
     for t in range(max_t):
         out, state = model.step(prev, state)
         n = alive.numel()
-        lim = limit[alive].repeat_interleave(k)  # [b*K]
+        lim = limit[alive].repeat_interleave(width)  # [b*width]
         logp = _adjust(torch.log_softmax(out.logits.float(), -1), tokens, t, lim, opts)
         v = logp.size(-1)
-        cand = (scores.view(-1, 1) + logp).view(n, k * v)  # [b, K*V]
-        top, idx = cand.topk(min(2 * k, k * v), dim=1)  # [b, 2K]
+        cand = (scores.view(-1, 1) + logp).view(n, width * v)  # [b, width*V]
+        top, idx = cand.topk(min(2 * k, width * v), dim=1)  # [b, 2K]
+        if top.size(1) < k:  # a vocabulary smaller than the beam: fill with dead candidates
+            top = torch.nn.functional.pad(top, (0, k - top.size(1)), value=NEG)
+            idx = torch.nn.functional.pad(idx, (0, k - idx.size(1)), value=0)
         beam, tok = idx // v, idx % v
-        rows = (torch.arange(n, device=device) * k)[:, None] + beam  # [b,2K] rows of tokens
+        rows = (torch.arange(n, device=device) * width)[:, None] + beam  # [b,2K] rows of tokens
         hist = torch.cat([tokens[rows.flatten()], tok.view(-1, 1)], 1).view(n, -1, t + 1)
         hist = torch.nn.functional.pad(hist, (0, max_t - t - 1), value=PAD_ID)  # [b,2K,max_t]
 
@@ -201,7 +202,9 @@ def beam_search(
         sel_tok = tok.gather(1, live).flatten()
         scores = live_scores
         tokens = torch.cat([tokens[sel_rows], sel_tok[:, None]], 1)
-        state = reorder_state(state, sel_rows)
+        # Rows stay inside their sentence; the first step expands each sentence to K rows.
+        state = reorder_state(state, sel_rows, within_sentences=width == k)
+        width = k
         prev = sel_tok
 
         # Done: no live hypothesis can beat the worst pooled one (exact bound for alpha >= 0).

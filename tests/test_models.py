@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from nmt.models.base import Vocab, count_parameters, reorder_state
+from nmt.models.base import SOURCE_PREFIX, Vocab, count_parameters, reorder_state
 from nmt.models.registry import ARCHITECTURES, build_model
 from nmt.models.rnn_attention import RNNAttentionConfig
 from nmt.models.seq2seq import Seq2SeqConfig
@@ -157,6 +157,29 @@ def test_reorder_state_serves_beam_expansion(variant):
     out, _ = model.step(tgt[:, 0][index], reorder_state(state, index))
     ref, _ = model.step(tgt[:, 0], state)
     torch.testing.assert_close(out.logits, ref.logits[index])
+
+
+def test_source_state_is_constant_over_steps(variant):
+    """`src_*` state entries depend on the source alone: decoding steps carry them unchanged,
+    which is what lets beam search skip copying them when it reorders within sentences."""
+    model = make(variant)
+    src, mask, tgt = batch([5, 3], [4, 4])
+    state = model.init_state(model.encode(src, mask))
+    source = {k: v.clone() for k, v in state.items() if k.startswith(SOURCE_PREFIX)}
+    assert source, "every architecture keeps its per-sentence state under src_*"
+    for t in range(tgt.size(1)):
+        _, state = model.step(tgt[:, t], state)
+    assert {k for k in state if k.startswith(SOURCE_PREFIX)} == set(source)
+    for k, v in source.items():
+        torch.testing.assert_close(state[k], v)
+    # Reordering inside sentences keeps them as they are, and equals the full reorder there.
+    expanded = reorder_state(state, torch.tensor([0, 0, 1, 1]))
+    within = reorder_state(expanded, torch.tensor([1, 0, 3, 2]), within_sentences=True)
+    full = reorder_state(expanded, torch.tensor([1, 0, 3, 2]))
+    for k in within:
+        torch.testing.assert_close(within[k], full[k])
+        if k.startswith(SOURCE_PREFIX):
+            assert within[k] is expanded[k]
 
 
 def test_batch_permutation(variant):

@@ -331,12 +331,14 @@ def test_finished_sentences_leave_the_batch_beam(trained, monkeypatch, eos):
     src, mask = make_batch(sources)
     search(Biased(trained.model, eos=eos), src, mask, opts)
     sizes = recorder.sizes
-    assert sizes[0] == len(sources) * k
-    assert all(s % k == 0 for s in sizes)
-    assert all(a >= b for a, b in zip(sizes, sizes[1:]))
+    # The K beams of a sentence are identical before the first token: one row per sentence.
+    assert sizes[0] == len(sources)
+    assert all(s % k == 0 for s in sizes[1:])
+    assert all(a >= b for a, b in zip(sizes[1:], sizes[2:]))
     assert len(sizes) <= int(max_lengths(mask, opts).max())
     if eos < 0:  # every sentence lives until its own limit, then leaves
         limits = max_lengths(mask, opts).tolist()
-        assert sizes == [k * sum(lim > t for lim in limits) for t in range(max(limits))]
+        width = [1] + [k] * (max(limits) - 1)
+        assert sizes == [width[t] * sum(lim > t for lim in limits) for t in range(max(limits))]
     else:
         assert sizes[-1] < sizes[0]

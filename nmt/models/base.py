@@ -9,6 +9,10 @@ Every model maps batch-first tensors to batch-first tensors:
 
 ``src_mask`` is boolean, True at real tokens. A ``State`` is a plain dict of tensors whose first
 dimension is the batch, so ``reorder_state`` serves beam expansion and pruning for every model.
+State entries that are functions of the source alone (encoder memory, attention keys computed
+once per sentence, the source mask) are named ``src_*``: they are identical across the
+hypotheses of one sentence, so beam search does not copy them when it reorders hypotheses
+within sentences.
 """
 
 from __future__ import annotations
@@ -51,9 +55,19 @@ class TranslationModel(Protocol):
     def eval(self): ...
 
 
-def reorder_state(state: State, index: Tensor) -> State:
-    """Select (and repeat) batch rows of every state tensor: beam expansion and pruning."""
-    return {k: v.index_select(0, index) for k, v in state.items()}
+SOURCE_PREFIX = "src_"
+
+
+def reorder_state(state: State, index: Tensor, within_sentences: bool = False) -> State:
+    """Select (and repeat) batch rows of every state tensor: beam expansion and pruning.
+
+    within_sentences=True promises that `index` maps every row to a row of the same sentence
+    (beam reordering): the per-sentence ``src_*`` entries are then returned as they are.
+    """
+    return {
+        k: v if within_sentences and k.startswith(SOURCE_PREFIX) else v.index_select(0, index)
+        for k, v in state.items()
+    }
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -93,8 +93,8 @@ class RNNAttention(nn.Module):
         batch = final.size(0)
         s0 = torch.tanh(self.to_init(final)).view(batch, self.dec_layers, self.dec_hidden)
         state = {
-            "memory": memory["memory"],  # [B,S,M]
-            "keys": self.attention.keys(memory["memory"]),  # [B,S,A], once per sentence
+            "src_memory": memory["memory"],  # [B,S,M]
+            "src_keys": self.attention.keys(memory["memory"]),  # [B,S,A], once per sentence
             "src_mask": memory["src_mask"],  # [B,S]
             "hidden": s0,  # [B,L,H]
         }
@@ -123,7 +123,9 @@ class RNNAttention(nn.Module):
         """y[B,E] embedded previous token -> readout o_t[B,E], attention[B,S], new state."""
         hidden = state["hidden"]  # [B,L,H]
         query = hidden[:, -1:, :]  # s_{t-1} of the top layer [B,1,H]
-        context, weights = self.attention(query, state["keys"], state["memory"], state["src_mask"])
+        context, weights = self.attention(
+            query, state["src_keys"], state["src_memory"], state["src_mask"]
+        )
         context = context[:, 0]  # [B,M]
         parts = [y, context] + ([state["feed"]] if self.input_feed else [])
         out, hidden, cell = self.decoder(
@@ -131,7 +133,7 @@ class RNNAttention(nn.Module):
         )
         out = out[:, 0]  # s_t [B,H]
         readout = torch.tanh(self.readout(torch.cat([self.dropout(out), context, y], -1)))  # [B,E]
-        new_state = {k: state[k] for k in ("memory", "keys", "src_mask")}
+        new_state = {k: state[k] for k in ("src_memory", "src_keys", "src_mask")}
         new_state["hidden"] = hidden
         if cell is not None:
             new_state["cell"] = cell

@@ -74,7 +74,7 @@ class Seq2Seq(nn.Module):
     def init_state(self, memory: State) -> State:
         c = memory["context"]  # [B,H]
         s0 = torch.tanh(self.to_init(c)).view(c.size(0), self.dec_layers, self.hidden)  # [B,L,H]
-        state = {"context": c, "hidden": s0}
+        state = {"src_context": c, "hidden": s0}
         if self.is_lstm:
             state["cell"] = torch.zeros_like(s0)
         return state
@@ -91,14 +91,14 @@ class Seq2Seq(nn.Module):
     # -- internals -------------------------------------------------------------------------
     def _decode(self, tgt_in: Tensor, state: State) -> tuple[Tensor, State]:
         """tgt_in[B,T] -> logits[B,T,V]; the whole sequence in one RNN call (c is known)."""
-        c = state["context"]  # [B,H]
+        c = state["src_context"]  # [B,H]
         y = self.dropout(self.tgt_embed(tgt_in))  # [B,T,E]
         c_t = c[:, None, :].expand(-1, y.size(1), -1)  # [B,T,H]
         out, hidden, cell = self.decoder(
             torch.cat([y, c_t], -1), state["hidden"], state.get("cell")
         )
         readout = torch.tanh(self.readout(torch.cat([self.dropout(out), y, c_t], -1)))  # [B,T,E]
-        new_state = {"context": c, "hidden": hidden}
+        new_state = {"src_context": c, "hidden": hidden}
         if cell is not None:
             new_state["cell"] = cell
         return self.output(self.dropout(readout)), new_state

@@ -2,7 +2,7 @@
 
 Attention is softmax(QKᵀ/√d)V through `torch.nn.functional.scaled_dot_product_attention`.
 Decoding state: per layer, the self-attention cache `self_k{i}`/`self_v{i}` [B,H,t,Dh] grows by
-one position per step; the cross-attention keys/values `cross_k{i}`/`cross_v{i}` [B,H,S,Dh]
+one position per step; the cross-attention keys/values `src_k{i}`/`src_v{i}` [B,H,S,Dh]
 are computed once per sentence in `init_state`.
 """
 
@@ -214,15 +214,27 @@ class DecoderLayer(nn.Module):
         return self.res_ffn.outer(x, self.ffn(self.res_ffn.inner(x)))
 
     def step(
-        self, x: Tensor, cache_k: Tensor, cache_v: Tensor, k: Tensor, v: Tensor, mask: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """One position x[B,1,D] against the cache [B,H,t,Dh] -> y, cache_k', cache_v', weights."""
+        self,
+        x: Tensor,
+        cache_k: Tensor,
+        cache_v: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """One position x[B,1,D] against the cache [B,H,t,Dh] -> y, cache_k', cache_v' and the
+        cross-attention weights [B,H,1,S] (None unless need_weights)."""
         q, k_new, v_new = self.self_attn.project(self.res_self.inner(x))  # [B,H,1,Dh]
         cache_k = torch.cat([cache_k, k_new], dim=2)  # [B,H,t+1,Dh]
         cache_v = torch.cat([cache_v, v_new], dim=2)
         y = attend(q, cache_k, cache_v)  # all cached positions are past
         x = self.res_self.outer(x, self.self_attn.out(merge_heads(y)))
-        y, weights = self.cross_attn.with_weights(self.res_cross.inner(x), k, v, mask)
+        query = self.res_cross.inner(x)
+        if need_weights:
+            y, weights = self.cross_attn.with_weights(query, k, v, mask)
+        else:
+            y, weights = self.cross_attn(query, k, v, mask), None
         x = self.res_cross.outer(x, y)
         x = self.res_ffn.outer(x, self.ffn(self.res_ffn.inner(x)))
         return x, cache_k, cache_v, weights
@@ -286,7 +298,7 @@ class Transformer(nn.Module):
         state: State = {"src_mask": memory["src_mask"], "pos": mem.new_zeros(b, dtype=torch.long)}
         for i, layer in enumerate(self.decoder):
             k, v = layer.cross_attn.memory_kv(mem)  # once per sentence
-            state[f"cross_k{i}"], state[f"cross_v{i}"] = k, v
+            state[f"src_k{i}"], state[f"src_v{i}"] = k, v
             state[f"self_k{i}"] = k.new_zeros(b, self.heads, 0, dh)  # empty cache [B,H,0,Dh]
             state[f"self_v{i}"] = k.new_zeros(b, self.heads, 0, dh)
         return state
@@ -296,13 +308,14 @@ class Transformer(nn.Module):
         x = self.dropout(self.tgt_embed(prev) + self.positions(pos))[:, None, :]  # [B,1,D]
         mask = state["src_mask"][:, None, None, :]  # [B,1,1,S]
         new_state: State = {"src_mask": state["src_mask"], "pos": pos + 1}
+        last = len(self.decoder) - 1
         weights = None
         for i, layer in enumerate(self.decoder):
-            k, v = state[f"cross_k{i}"], state[f"cross_v{i}"]
-            x, ck, cv, weights = layer.step(x, state[f"self_k{i}"], state[f"self_v{i}"], k, v, mask)
-            new_state.update(
-                {f"self_k{i}": ck, f"self_v{i}": cv, f"cross_k{i}": k, f"cross_v{i}": v}
+            k, v = state[f"src_k{i}"], state[f"src_v{i}"]
+            x, ck, cv, weights = layer.step(
+                x, state[f"self_k{i}"], state[f"self_v{i}"], k, v, mask, need_weights=i == last
             )
+            new_state.update({f"self_k{i}": ck, f"self_v{i}": cv, f"src_k{i}": k, f"src_v{i}": v})
         logits = self.output(self.dec_norm(x[:, 0]))  # [B,V]
         attention = weights[:, :, 0, :].mean(1)  # last layer, averaged over heads [B,S]
         return StepOutput(logits, attention), new_state
