@@ -58,6 +58,11 @@ class TranslationModel(Protocol):
 SOURCE_PREFIX = "src_"
 
 
+def source_state(state: State) -> State:
+    """The ``src_*`` entries of a state: what every decoding step carries over unchanged."""
+    return {k: v for k, v in state.items() if k.startswith(SOURCE_PREFIX)}
+
+
 def reorder_state(state: State, index: Tensor, within_sentences: bool = False) -> State:
     """Select (and repeat) batch rows of every state tensor: beam expansion and pruning.
 

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from nmt.models.base import State, StepOutput
+from nmt.models.base import State, StepOutput, source_state
 from nmt.models.layers import RNN, Embedding, OutputProjection, RecurrentAttention, RNNEncoder
 
 
@@ -133,7 +133,7 @@ class RNNAttention(nn.Module):
         )
         out = out[:, 0]  # s_t [B,H]
         readout = torch.tanh(self.readout(torch.cat([self.dropout(out), context, y], -1)))  # [B,E]
-        new_state = {k: state[k] for k in ("src_memory", "src_keys", "src_mask")}
+        new_state = source_state(state)
         new_state["hidden"] = hidden
         if cell is not None:
             new_state["cell"] = cell

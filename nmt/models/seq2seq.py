@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from nmt.models.base import State, StepOutput
+from nmt.models.base import State, StepOutput, source_state
 from nmt.models.layers import RNN, Embedding, OutputProjection, RNNEncoder
 
 
@@ -98,7 +98,7 @@ class Seq2Seq(nn.Module):
             torch.cat([y, c_t], -1), state["hidden"], state.get("cell")
         )
         readout = torch.tanh(self.readout(torch.cat([self.dropout(out), y, c_t], -1)))  # [B,T,E]
-        new_state = {"src_context": c, "hidden": hidden}
+        new_state = {**source_state(state), "hidden": hidden}
         if cell is not None:
             new_state["cell"] = cell
         return self.output(self.dropout(readout)), new_state

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nmt.models.base import State, StepOutput
+from nmt.models.base import State, StepOutput, source_state
 from nmt.models.layers import Embedding, OutputProjection, Positions
 
 
@@ -307,7 +307,7 @@ class Transformer(nn.Module):
         pos = state["pos"]  # [B]
         x = self.dropout(self.tgt_embed(prev) + self.positions(pos))[:, None, :]  # [B,1,D]
         mask = state["src_mask"][:, None, None, :]  # [B,1,1,S]
-        new_state: State = {"src_mask": state["src_mask"], "pos": pos + 1}
+        new_state: State = {**source_state(state), "pos": pos + 1}
         last = len(self.decoder) - 1
         weights = None
         for i, layer in enumerate(self.decoder):
@@ -315,7 +315,7 @@ class Transformer(nn.Module):
             x, ck, cv, weights = layer.step(
                 x, state[f"self_k{i}"], state[f"self_v{i}"], k, v, mask, need_weights=i == last
             )
-            new_state.update({f"self_k{i}": ck, f"self_v{i}": cv, f"src_k{i}": k, f"src_v{i}": v})
+            new_state.update({f"self_k{i}": ck, f"self_v{i}": cv})
         logits = self.output(self.dec_norm(x[:, 0]))  # [B,V]
         attention = weights[:, :, 0, :].mean(1)  # last layer, averaged over heads [B,S]
         return StepOutput(logits, attention), new_state
