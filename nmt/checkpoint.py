@@ -110,5 +110,17 @@ def average(paths: list[Path]) -> dict[str, Any]:
         avg[key] = (
             sum(o["model"][key].double() for o in payloads).div(len(payloads)).to(value.dtype)
         )
-    keep = {k: v for k, v in first.items() if k not in ("model", "optimizer", "format", "scaler")}
+    newest = payloads[-1]  # config, progress and vocabulary of the last checkpoint given
+    keep = {k: v for k, v in newest.items() if k not in ("model", "optimizer", "format", "scaler")}
+    # Where the tokenizer lives, so the average works wherever it is written.
+    keep["run_dir"] = newest.get("run_dir") or str(run_dir_of(paths[-1]))
     return {**keep, "model": avg, "averaged_from": [str(p) for p in paths]}
+
+
+def tokenizer_dir(checkpoint_path: Path, payload: dict[str, Any]) -> Path:
+    """The run's tokenizer folder: beside the checkpoint's `checkpoints/` folder, else in the
+    run directory the checkpoint records (a checkpoint copied or averaged elsewhere)."""
+    here = run_dir_of(checkpoint_path) / "tokenizer"
+    if here.is_dir() or not payload.get("run_dir"):
+        return here
+    return Path(payload["run_dir"]) / "tokenizer"

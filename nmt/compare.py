@@ -130,8 +130,16 @@ def evaluate_system(system: System, out: Path, splits: list[str], device) -> dic
         "train_tokens_per_s": progress["tokens"] / max(progress["train_seconds"], 1e-9),
         "best_valid_bleu": max((r.get("bleu", float("nan")) for r in history), default=None),
         "finished": progress["finished"],
+        # The checkpoint evaluated: best.pt, the step it was saved at, and the steps whose
+        # weights it averages when train.average_last picked an average.
+        "checkpoint": {
+            "path": str(loaded.checkpoint),
+            "step": loaded.payload["progress"]["step"],
+            "averaged": loaded.payload.get("averaged"),
+        },
         "valid_history": [
-            {k: r.get(k) for k in ("step", "minutes", "bleu", "chrf", "loss")} for r in history
+            {k: r.get(k) for k in ("step", "minutes", "bleu", "chrf", "loss", "averaged")}
+            for r in history
         ],
         "train_history": [{k: r[k] for k in ("step", "minutes", "loss")} for r in train_records],
         "translations": {},
@@ -252,16 +260,15 @@ def _write_plots(report: dict, systems: list[System], out: Path, device, example
     from nmt import plots
 
     rows = report["systems"]
-    valid_minutes = {
+    # Learning curves follow the training weights; a final average is not a point on them.
+    curve = {
         r["name"]: [
-            (h["minutes"], h["bleu"]) for h in r["valid_history"] if h.get("bleu") is not None
+            h for h in r["valid_history"] if h.get("bleu") is not None and not h.get("averaged")
         ]
         for r in rows
     }
-    valid_steps = {
-        r["name"]: [(h["step"], h["bleu"]) for h in r["valid_history"] if h.get("bleu") is not None]
-        for r in rows
-    }
+    valid_minutes = {name: [(h["minutes"], h["bleu"]) for h in hs] for name, hs in curve.items()}
+    valid_steps = {name: [(h["step"], h["bleu"]) for h in hs] for name, hs in curve.items()}
     plots.curves(
         valid_minutes,
         "training wall-clock minutes",
@@ -325,7 +332,18 @@ def _markdown(report: dict, results: list[dict], prepared, splits: list[str]) ->
     lines += [
         f"Decoding: beam {d['beam']}, length penalty {d['length_penalty']}, max length {d['max_len_a']}·|x|+{d['max_len_b']}.",
         "",
+        "Checkpoints evaluated (best validation score):",
+        "",
     ]
+    for r in report["systems"]:
+        c = r["checkpoint"]
+        what = (
+            "average of the weights at steps " + ", ".join(f"{s:,}" for s in c["averaged"])
+            if c["averaged"]
+            else f"step {c['step']:,}"
+        )
+        lines.append(f"- {r['name']}: {what}")
+    lines.append("")
     for split in splits:
         lines += [f"## {split}", ""]
         lines += [

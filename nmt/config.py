@@ -139,6 +139,10 @@ class TrainConfig:
     patience: int | None = None  # validations without improvement before stopping
     save_every: int = 1000
     keep_last: int = 3
+    # At the end of a finished run, average the weights of the last K saves (last.pt and the
+    # newest step checkpoints), validate the average like any checkpoint, and keep it as
+    # best.pt when it beats the best single one. 1 = off.
+    average_last: int = 1
     max_nonfinite: int = 10  # consecutive non-finite losses before training stops
     tensorboard: bool = False
 
@@ -158,6 +162,12 @@ class TrainConfig:
             _check(value is None or value > 0, f"train.{key}", "must be a positive integer")
         _check(self.max_minutes is None or self.max_minutes > 0, "train.max_minutes", "must be > 0")
         _check(self.keep_last >= 0, "train.keep_last", "must be >= 0")
+        _check(
+            1 <= self.average_last <= self.keep_last + 1,
+            "train.average_last",
+            f"must be between 1 (off) and train.keep_last + 1 = {self.keep_last + 1} "
+            "(the step checkpoints kept plus last.pt)",
+        )
         _check(self.valid_beam >= 1, "train.valid_beam", "must be >= 1")
 
 

@@ -36,8 +36,14 @@ def load_model(path: Path, device: torch.device) -> Loaded:
     ckpt = checkpoint.resolve(Path(path))
     payload = checkpoint.load(ckpt)
     cfg = from_dict(payload["config"])
-    run_dir = checkpoint.run_dir_of(ckpt)
-    tokenizer = Tokenizer.from_dir(run_dir / "tokenizer")
+    tok_dir = checkpoint.tokenizer_dir(ckpt, payload)
+    if not tok_dir.is_dir():
+        raise NMTError(
+            f"no tokenizer for {ckpt}: {tok_dir} does not exist; keep checkpoints in "
+            "RUN_DIR/checkpoints/, beside the run's tokenizer/ folder"
+        )
+    run_dir = tok_dir.parent
+    tokenizer = Tokenizer.from_dir(tok_dir)
     model = build_model(payload["arch"], cfg.model, Vocab(**payload["vocab"]))
     model.load_state_dict(payload["model"])
     model.to(device).eval()

@@ -360,10 +360,11 @@ def train(
                 if isinstance(v, (int, float)) and k not in ("step", "epoch"):
                     tb.add_scalar(f"{record['kind']}/{k}", v, record["step"])
 
-    def save(kind: str) -> None:
+    def save(kind: str, **extra: Any) -> None:
         if not is_main:
             return
         payload = {
+            **extra,
             "config": cfg.to_dict(),
             "arch": arch,
             "vocab": {
@@ -378,6 +379,7 @@ def train(
             "rng": rngs,
             "tokenizer": sorted(f.name for f in (run_dir / "tokenizer").glob("spm*.model")),
             "prepared": str(prepared.dir),
+            "run_dir": str(run_dir.resolve()),  # the tokenizer's home if the file is moved
         }
         if kind == "best":
             checkpoint.save(payload, ckpt_dir / "best.pt")
@@ -395,27 +397,31 @@ def train(
         dist.all_gather_object(states, rng_state())
         return states
 
+    def validation_record(**extra: Any) -> dict[str, Any]:
+        """Validate the model's current weights, log the record, keep it in the history, and
+        save best.pt when it is the best so far."""
+        record = validate(model, prepared, valid_split, cfg, device, precision)
+        record.update({"kind": "valid", "step": progress.step, "epoch": progress.epoch})
+        record.update({"minutes": progress.seconds / 60, "tokens": progress.tokens, **extra})
+        metric = t.early_stop_metric if t.valid_bleu or t.early_stop_metric == "loss" else "loss"
+        record["best"] = better(metric, record[metric], progress.best_value)
+        if record["best"]:
+            progress.best_value, progress.best_step = record[metric], progress.step
+        progress.history.append(record)
+        write_metrics(record)
+        reporter.validation(record)
+        if file_log:
+            file_log.info("validation: %s", json.dumps(record))
+        if record["best"]:
+            save("best", **extra)
+        return record
+
     def run_validation() -> bool:
         """Validate, keep the best checkpoint; True when early stopping says stop."""
         stop = 0.0
         if is_main:
-            record = validate(model, prepared, valid_split, cfg, device, precision)
-            record.update({"kind": "valid", "step": progress.step, "epoch": progress.epoch})
-            record["minutes"] = progress.seconds / 60
-            record["tokens"] = progress.tokens
-            metric = (
-                t.early_stop_metric if t.valid_bleu or t.early_stop_metric == "loss" else "loss"
-            )
-            value = record[metric]
-            improved = better(metric, value, progress.best_value)
-            if improved:
-                progress.best_value, progress.best_step, progress.bad_validations = (
-                    value,
-                    progress.step,
-                    0,
-                )
-            else:
-                progress.bad_validations += 1
+            improved = validation_record()["best"]
+            progress.bad_validations = 0 if improved else progress.bad_validations + 1
             if t.schedule == "plateau":
                 if improved:
                     progress.plateau_bad = 0
@@ -424,18 +430,25 @@ def train(
                     if progress.plateau_bad > t.plateau_patience:
                         progress.plateau_scale *= t.plateau_factor
                         progress.plateau_bad = 0
-            record["best"] = improved
-            progress.history.append(record)
-            write_metrics(record)
-            reporter.validation(record)
-            if file_log:
-                file_log.info("validation: %s", json.dumps(record))
-            if improved:
-                save("best")
             if t.patience is not None and progress.bad_validations >= t.patience:
                 stop = 1.0
         model.train()
         return _all_sum(stop, world) > 0
+
+    def average_last_saves() -> None:
+        """Validate the average of the last `train.average_last` saves like a checkpoint of
+        its own (best.pt when it beats every single one); last.pt keeps the final weights."""
+        saves = {int(p.stem.split("-")[1]): p for p in checkpoint.step_checkpoints(run_dir)}
+        saves[progress.step] = last_path
+        steps = sorted(saves)[-t.average_last :]
+        if len(steps) < 2:
+            reporter.message(f"train.average_last: only {len(steps)} save(s); nothing to average")
+            return
+        trained = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(checkpoint.average([saves[s] for s in steps])["model"])
+        validation_record(averaged=steps)
+        model.load_state_dict(trained)
+        save("last")  # the final weights again, with the history that now holds the average
 
     # The loop.
     rngs: list[dict[str, Any]] = []
@@ -533,6 +546,8 @@ def train(
                     progress.finished = stop_reason
                 if saving:
                     save("last" if stop_reason else "step")
+                if progress.finished and t.average_last > 1 and is_main:
+                    average_last_saves()
                 if stop_reason:
                     break
                 if validating or saving:  # keep tokens/s about training only
@@ -545,6 +560,8 @@ def train(
                     rngs = gather_rngs()
                     run_validation()
                     save("last")
+                    if t.average_last > 1 and is_main:
+                        average_last_saves()
 
     if file_log:
         file_log.info("end: %s at step %d", stop_reason, progress.step)

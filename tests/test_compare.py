@@ -20,6 +20,10 @@ SETS = [
     "--set",
     "train.valid_every=6",
     "--set",
+    "train.save_every=6",
+    "--set",
+    "train.average_last=2",
+    "--set",
     "train.valid_max_sentences=20",
     "--set",
     "data.limit_test=60",
@@ -79,12 +83,21 @@ def test_compare_three_architectures_and_reuse(tmp_path):
             lines = (out / "translations" / f"{s['name']}.{split}.de").read_text().split("\n")
             assert len(lines) == 61 and lines[-1] == ""
     assert sum(s["test"]["test_2016_flickr"]["best"] for s in systems) == 1
+    # train.average_last=2: the mean of steps 6 and 12 is validated last, and evaluated
+    # exactly when its validation BLEU beats every single checkpoint's.
+    for s in systems:
+        *single, averaged = s["valid_history"]
+        assert averaged["averaged"] == [6, 12] and [h["step"] for h in single] == [6, 12]
+        wins = averaged["bleu"] > max(h["bleu"] for h in single)
+        assert s["checkpoint"]["averaged"] == ([6, 12] if wins else None)
+        assert s["best_valid_bleu"] == max(h["bleu"] for h in s["valid_history"])
 
     md = (out / "report.md").read_text()
     assert (
         md.count("| seq2seq | seq2seq |") == 2
         and "Example translations" in md
         and "**reference**" in md
+        and "Checkpoints evaluated" in md
     )
     for png in (
         "valid_bleu_vs_time.png",

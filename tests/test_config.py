@@ -187,6 +187,8 @@ INVALID_VALUES = [
     ({"train": {"label_smoothing": 1.0}}, "train.label_smoothing"),
     ({"train": {"max_steps": None}}, "train.max_steps"),
     ({"train": {"max_steps": 0}}, "train.max_steps"),
+    ({"train": {"average_last": 0}}, "train.average_last"),
+    ({"train": {"keep_last": 1, "average_last": 3}}, "train.average_last"),
     ({"decode": {"beam": 2, "nbest": 3}}, "decode.nbest"),
     ({"decode": {"beam": 0}}, "decode.beam"),
 ]

@@ -19,7 +19,7 @@ from nmt.data.prepare import attach, prepare
 from nmt.models.base import Vocab
 from nmt.models.registry import build_model
 from nmt.models.transformer import TransformerConfig
-from nmt.train import _accumulate, label_smoothed_loss, lr_at, train
+from nmt.train import _accumulate, _validation_loss, label_smoothed_loss, lr_at, train
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny"
@@ -213,6 +213,61 @@ def test_overfits_a_tiny_real_slice(arch, tmp_path):
     assert losses[0] > 4.0
     assert losses[-1] < 0.5, f"{arch} did not overfit: {losses}"
     assert result.progress.step == 150
+
+
+@pytest.mark.parametrize(
+    "overrides, kept",
+    [
+        # lr 0.1 without decay: the weights jitter around a valley and their mean lies lower.
+        (("train.lr=0.1", "train.schedule=constant", "train.warmup_steps=0"), True),
+        # warm-up then decay, early in training: every step improves, the final weights win.
+        (("train.save_every=10",), False),
+    ],
+    ids=["average-wins", "final-weights-win"],
+)
+def test_average_of_the_last_saves_is_validated_and_kept_only_when_better(
+    overrides, kept, tmp_path
+):
+    cfg = tiny(
+        "transformer",
+        "train.max_steps=60",
+        "train.valid_every=30",
+        "train.save_every=5",
+        "train.keep_last=2",
+        "train.average_last=3",
+        "train.batch_tokens=1000",
+        "train.valid_bleu=false",
+        "train.precision=fp32",
+        *overrides,
+    )
+    run = tmp_path / "avg"
+    result = train_api(cfg, run)
+    ckpts = run / "checkpoints"
+    *single, record = result.progress.history
+    every = cfg.train.save_every
+    assert record["averaged"] == [60 - 2 * every, 60 - every, 60]  # two step checkpoints + last
+    # The recorded loss is the validation loss of the mean of those three saves.
+    mean = checkpoint.average(
+        [ckpts / f"step-{60 - 2 * every}.pt", ckpts / f"step-{60 - every}.pt", ckpts / "last.pt"]
+    )["model"]
+    prepared = prepare(cfg)
+    model = build_model(
+        "transformer", cfg.model, Vocab(**checkpoint.load(ckpts / "last.pt")["vocab"])
+    )
+    model.load_state_dict(mean)
+    loss = _validation_loss(model, prepared.split("valid"), cfg, torch.device("cpu"), "fp32")
+    assert record["loss"] == pytest.approx(loss["loss"], rel=1e-6)
+    # Kept as best.pt exactly when it beats every single checkpoint's validation.
+    assert record["best"] is kept
+    assert (record["loss"] < min(r["loss"] for r in single)) is kept
+    best, last = checkpoint.load(ckpts / "best.pt"), checkpoint.load(ckpts / "last.pt")
+    kept_model = mean if kept else last["model"]
+    assert all(torch.equal(best["model"][k], v) for k, v in kept_model.items())
+    assert best.get("averaged") == (record["averaged"] if kept else None)
+    # last.pt holds the final weights (resumable, not the average) and the full history.
+    assert any(not torch.equal(last["model"][k], v) for k, v in mean.items())
+    assert last["progress"]["history"][-1]["averaged"] == record["averaged"]
+    assert last["progress"]["finished"] == "reached train.max_steps=60"
 
 
 def test_bf16_training_on_cpu_keeps_fp32_master_weights(tmp_path):

@@ -414,3 +414,9 @@ def test_average_last_checkpoints(run, english, tmp_path):
         loaded.model, loaded.tokenizer, english[:5], search_options(d), d.batch_tokens, CPU, "fp32"
     )
     assert out_lines(result.stdout) == [nbest[0][0] for nbest in expected]
+
+    # Written outside the run, the average still finds the run's tokenizer.
+    elsewhere = tmp_path / "elsewhere" / "avg.pt"
+    ok(nmt_cli("average", run, "--last", "2", "--output", elsewhere))
+    moved = ok(nmt_cli("translate", elsewhere, "--input", src, *FP32))
+    assert moved.stdout == result.stdout
