@@ -218,8 +218,10 @@ def test_overfits_a_tiny_real_slice(arch, tmp_path):
 @pytest.mark.parametrize(
     "overrides, kept",
     [
-        # lr 0.1 without decay: the weights jitter around a valley and their mean lies lower.
-        (("train.lr=0.1", "train.schedule=constant", "train.warmup_steps=0"), True),
+        # lr 0.3 without decay: the weights jitter around a valley and their mean lies lower
+        # (by 0.33-0.36 nats with 1 and 2 threads on an AVX512 CPU; at lr 0.1 it was 0.03 nats
+        # the other way there, the premise held on AVX2 only).
+        (("train.lr=0.3", "train.schedule=constant", "train.warmup_steps=0"), True),
         # warm-up then decay, early in training: every step improves, the final weights win.
         (("train.save_every=10",), False),
     ],
