@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import functools
+import sys
 
 import torch
 
@@ -46,3 +49,28 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@functools.cache
+def configure_host() -> None:
+    """Process-wide CPU settings for training and decoding, applied once.
+
+    - Flush denormals to zero (sped up CPU training by 10-16% in measurements).
+    - glibc malloc keeps freed memory for reuse instead of returning it to the kernel: by
+      default every block of 32 MB or more (the fp32 logits of one batch are ~40 MB) is a
+      fresh mmap whose pages fault in again on first touch, and freed heap tops are trimmed.
+      On a 2-core KVM machine that made a fp32 copy of [1340, 8000] bf16 logits take 13 ms
+      instead of 1.9 ms, and the label-smoothed loss forward+backward 89 ms instead of 29 ms.
+      The cost: the process keeps its peak heap instead of shrinking after it.
+    """
+    torch.set_flush_denormal(True)
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt): keep its defaults
+        return
+    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
+    mallopt(m_mmap_max, 0)
+    mallopt(m_trim_threshold, 2**31 - 1)

@@ -14,7 +14,7 @@ import torch
 from nmt import NMTError, checkpoint
 from nmt.config import Config, DecodeConfig, from_dict
 from nmt.data.tokenizer import Tokenizer
-from nmt.device import autocast
+from nmt.device import autocast, configure_host
 from nmt.models.base import Vocab
 from nmt.models.registry import build_model
 from nmt.search import Hypothesis, SearchOptions, search
@@ -33,6 +33,7 @@ class Loaded:
 
 def load_model(path: Path, device: torch.device) -> Loaded:
     """Model, config and tokenizer from a run directory or a checkpoint file."""
+    configure_host()
     ckpt = checkpoint.resolve(Path(path))
     payload = checkpoint.load(ckpt)
     cfg = from_dict(payload["config"])

@@ -29,7 +29,7 @@ from nmt import NMTError, checkpoint
 from nmt.config import Config, TrainConfig, arch_of
 from nmt.data.batching import Batch, EncodedSplit, TokenBatches
 from nmt.data.prepare import Prepared, prepare
-from nmt.device import autocast, resolve_device, resolve_precision
+from nmt.device import autocast, configure_host, resolve_device, resolve_precision
 from nmt.evaluate import score, translate_texts
 from nmt.models.base import Vocab, count_parameters
 from nmt.models.registry import build_model
@@ -275,7 +275,7 @@ def train(
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
     precision = resolve_precision(t.precision, device)
-    torch.set_flush_denormal(True)
+    configure_host()
     seed_everything(t.seed)
     if is_main:
         prepared = prepare(cfg)
@@ -299,6 +299,7 @@ def train(
         lr=t.lr,
         betas=t.betas,
         eps=t.eps,
+        fused=True,  # one kernel per step instead of ~10 per parameter (CPU and CUDA)
     )
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     progress = Progress()

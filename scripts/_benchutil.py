@@ -44,9 +44,13 @@ def default_precisions() -> list[str]:
 
 
 def setup_torch(threads: int = 2) -> None:
-    """The settings every benchmark runs under: a fixed thread count, no denormals."""
+    """The settings every benchmark runs under: a fixed thread count and the process settings
+    `nmt train`/`nmt translate` apply (`nmt.device.configure_host`: no denormals, malloc keeps
+    freed memory). Side-by-side peers run in the same process, so they get them too."""
+    from nmt.device import configure_host
+
     torch.set_num_threads(threads)
-    torch.set_flush_denormal(True)
+    configure_host()
 
 
 def default_env() -> None:
@@ -195,6 +199,7 @@ def make_optimizer(model: torch.nn.Module, t) -> torch.optim.Optimizer:
         lr=t.lr,
         betas=t.betas,
         eps=t.eps,
+        fused=True,
     )
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nmt.models.base import SOURCE_PREFIX, Vocab, count_parameters, reorder_state
+from nmt.models.layers import Dropout
 from nmt.models.registry import ARCHITECTURES, build_model
 from nmt.models.rnn_attention import RNNAttentionConfig
 from nmt.models.seq2seq import Seq2SeqConfig
@@ -296,3 +297,29 @@ def test_seq2seq_decoder_sees_source_only_through_context():
     logits = model._decode(tgt, model.init_state({"context": c}))[0]
     logits.sum().backward()
     assert c.grad is not None and c.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.1, 0.3])
+def test_cpu_dropout_is_inverted_dropout_with_rate_p(p, dtype):
+    drop = Dropout(p)
+    x = torch.rand(1000, 1001).add_(0.5).to(dtype).requires_grad_(True)  # odd size: 4 ∤ numel
+    torch.manual_seed(3)
+    y = drop(x)
+    kept = y != 0
+    scale = 65536 / (65536 - round(p * 65536))
+    assert y.dtype == dtype and y.shape == x.shape
+    assert abs(1 - kept.float().mean().item() - p) < 0.003  # 1M draws: sd 0.0005
+    assert torch.equal(y[kept], (x[kept] * scale).detach())  # scaled in fp32, rounded once
+    assert abs(y.double().mean().item() / x.double().mean().item() - 1) < 0.01  # unbiased
+    # Rows and columns are not correlated (each element has its own 16 random bits).
+    assert abs(kept.float().mean(0).std().item() - (p * (1 - p) / 1000) ** 0.5) < 0.003
+    (grad,) = torch.autograd.grad(y.float().sum(), x)
+    assert torch.equal(grad != 0, kept)
+    assert torch.equal(grad[kept], torch.full_like(grad[kept], scale))
+    torch.manual_seed(3)
+    assert torch.equal(drop(x), y)  # the default generator: seeding reproduces the mask
+    assert not torch.equal(drop(x), y)
+    drop.eval()
+    assert drop(x) is x
+    assert Dropout(0.0)(x) is x

@@ -32,6 +32,36 @@ class Embedding(nn.Module):
         return self.table(ids) * self.scale  # [..., D]
 
 
+class Dropout(nn.Module):
+    """Inverted dropout: zero each element with probability p, scale the rest by 1/(1-p).
+
+    On CUDA this is `F.dropout`. On CPU the keep mask is drawn as 16 random bits per element
+    (one int64 draw gives four), with p quantised to a multiple of 1/65536 and the scale
+    matched to it: torch's CPU dropout draws one Bernoulli variate per element, which made it
+    ~3x slower (forward+backward of a [100,15,1024] bf16 tensor: 11.4 ms vs 3.9 ms) and 10%
+    of a bf16 transformer training step. Randomness comes from torch's default generator, so
+    seeding and exact resume work as with `nn.Dropout`.
+    """
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if x.device.type != "cpu":
+            return F.dropout(x, self.p, training=True)
+        n = x.numel()
+        dropped = round(self.p * 65536)  # 16-bit values below -32768 + dropped are dropped
+        bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
+        keep = bits.view(torch.int16)[:n].view(x.shape) >= dropped - 32768
+        return (x * keep).mul_(65536 / (65536 - dropped))  # one rounding, as F.dropout
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
 class OutputProjection(nn.Module):
     """Hidden state -> vocabulary logits; shares the weight of `tie_to` when given."""
 
@@ -143,7 +173,7 @@ class RNNEncoder(nn.Module):
     ) -> None:
         super().__init__()
         self.embed = Embedding(vocab_size, emb_dim)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.rnn = RNN(cell, emb_dim, hidden, layers, bidirectional, dropout)
         self.dirs = 2 if bidirectional else 1
         self.layers = layers

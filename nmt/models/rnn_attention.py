@@ -16,7 +16,14 @@ import torch
 from torch import Tensor, nn
 
 from nmt.models.base import State, StepOutput, source_state
-from nmt.models.layers import RNN, Embedding, OutputProjection, RecurrentAttention, RNNEncoder
+from nmt.models.layers import (
+    RNN,
+    Dropout,
+    Embedding,
+    OutputProjection,
+    RecurrentAttention,
+    RNNEncoder,
+)
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,7 @@ class RNNAttention(nn.Module):
         self.output = OutputProjection(
             emb_dim, tgt_vocab, self.tgt_embed if tie_embeddings else None
         )
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.dec_layers = dec_layers
         self.dec_hidden = dec_hidden
         self.emb_dim = emb_dim

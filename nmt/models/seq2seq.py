@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from nmt.models.base import State, StepOutput, source_state
-from nmt.models.layers import RNN, Embedding, OutputProjection, RNNEncoder
+from nmt.models.layers import RNN, Dropout, Embedding, OutputProjection, RNNEncoder
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Seq2Seq(nn.Module):
         self.output = OutputProjection(
             emb_dim, tgt_vocab, self.tgt_embed if tie_embeddings else None
         )
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.dec_layers = dec_layers
         self.hidden = hidden
         self.is_lstm = cell == "lstm"

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nmt.models.base import State, StepOutput, source_state
-from nmt.models.layers import Embedding, OutputProjection, Positions
+from nmt.models.layers import Dropout, Embedding, OutputProjection, Positions
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ class FeedForward(nn.Module):
         self.inner = nn.Linear(dim, ffn_dim)
         self.outer = nn.Linear(ffn_dim, dim)
         self.act = F.gelu if activation == "gelu" else F.relu
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.outer(self.dropout(self.act(self.inner(x))))
@@ -154,7 +154,7 @@ class Residual(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.pre_norm = pre_norm
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def inner(self, x: Tensor) -> Tensor:
         return self.norm(x) if self.pre_norm else x
@@ -269,7 +269,7 @@ class Transformer(nn.Module):
         else:
             self.tgt_embed = Embedding(tgt_vocab, d_model, scale_embeddings)
         self.positions = Positions(positions, max_positions, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         args = (d_model, heads, ffn_dim, activation, pre, dropout, attn_dropout, activation_dropout)
         self.encoder = nn.ModuleList(EncoderLayer(*args) for _ in range(enc_layers))
         self.decoder = nn.ModuleList(DecoderLayer(*args) for _ in range(dec_layers))
