@@ -83,6 +83,29 @@ def _adjust(logp: Tensor, tokens: Tensor, t: int, limit: Tensor, opts: SearchOpt
     return logp
 
 
+def topk_rows(x: Tensor, k: int, block: int = 64) -> tuple[Tensor, Tensor]:
+    """The k largest values of every row of x[R,C] and their columns, as `x.topk(k, 1)`.
+
+    On CPU, `torch.topk` over a vocabulary-wide row costs ~0.7 ns per element (1.6 ms for the
+    [64, 5x8000] candidates of a beam-5 step), as much as a decoder layer. Exact shortcut: the
+    k best entries lie in the k blocks (of `block` columns) with the largest maxima, and
+    block maxima are a cheap vectorised reduction; so topk runs on k*block candidates per row
+    (0.27 ms). Entries that tie may come back in another order than torch.topk's.
+    """
+    r, c = x.shape
+    if x.device.type != "cpu" or c < 4 * k * block:
+        return x.topk(k, 1)
+    n_blocks = c // block
+    full = n_blocks * block
+    maxima = x[:, :full].reshape(r, n_blocks, block).amax(-1)  # [R, C/block]
+    best = maxima.topk(k, 1).indices  # [R,k] blocks holding the k largest
+    cols = (best[:, :, None] * block + torch.arange(block, device=x.device)).flatten(1)
+    if full < c:  # the last, partial block always competes
+        cols = torch.cat([cols, torch.arange(full, c, device=x.device).expand(r, -1)], 1)
+    top, pick = x.gather(1, cols).topk(k, 1)  # [R,k]
+    return top, cols.gather(1, pick)
+
+
 def _start(model: TranslationModel, src: Tensor, src_mask: Tensor) -> State:
     return model.init_state(model.encode(src, src_mask))
 
@@ -104,12 +127,13 @@ def greedy(
     gen = torch.Generator(device=device).manual_seed(opts.seed) if opts.sample else None
     for t in range(int(limit.max())):
         out, state = model.step(prev, state)
-        logp = _adjust(torch.log_softmax(out.logits.float(), -1), tokens, t, limit[alive], opts)
+        logp = torch.log_softmax(out.logits, -1, dtype=torch.float32)  # [b,V]
+        logp = _adjust(logp, tokens, t, limit[alive], opts)
         if opts.sample:  # temperature and top-k/top-p among the tokens the constraints allow
             allowed = _filter(logp / opts.temperature, opts)
             nxt = torch.multinomial(allowed.softmax(-1), 1, generator=gen).squeeze(1)
         else:
-            nxt = logp.argmax(-1)  # [b]
+            nxt = topk_rows(logp, 1)[1].squeeze(1)  # [b] argmax
         scores = scores + logp.gather(1, nxt[:, None]).squeeze(1)
         tokens = torch.cat([tokens, nxt[:, None]], 1)
         done = nxt == EOS_ID
@@ -171,10 +195,10 @@ def beam_search(
         out, state = model.step(prev, state)
         n = alive.numel()
         lim = limit[alive].repeat_interleave(width)  # [b*width]
-        logp = _adjust(torch.log_softmax(out.logits.float(), -1), tokens, t, lim, opts)
+        logp = _adjust(torch.log_softmax(out.logits, -1, dtype=torch.float32), tokens, t, lim, opts)
         v = logp.size(-1)
         cand = (scores.view(-1, 1) + logp).view(n, width * v)  # [b, width*V]
-        top, idx = cand.topk(min(2 * k, width * v), dim=1)  # [b, 2K]
+        top, idx = topk_rows(cand, min(2 * k, width * v))  # [b, 2K]
         if top.size(1) < k:  # a vocabulary smaller than the beam: fill with dead candidates
             top = torch.nn.functional.pad(top, (0, k - top.size(1)), value=NEG)
             idx = torch.nn.functional.pad(idx, (0, k - idx.size(1)), value=0)

@@ -18,7 +18,15 @@ from conftest import tiny_run
 from nmt.data.prepare import prepare
 from nmt.evaluate import load_model
 from nmt.models.base import StepOutput
-from nmt.search import SearchOptions, beam_search, force_decode, greedy, max_lengths, search
+from nmt.search import (
+    SearchOptions,
+    beam_search,
+    force_decode,
+    greedy,
+    max_lengths,
+    search,
+    topk_rows,
+)
 from nmt.special import BOS_ID, EOS_ID, PAD_ID
 
 REPO = Path(__file__).resolve().parents[1]
@@ -342,3 +350,21 @@ def test_finished_sentences_leave_the_batch_beam(trained, monkeypatch, eos):
         assert sizes == [width[t] * sum(lim > t for lim in limits) for t in range(max(limits))]
     else:
         assert sizes[-1] < sizes[0]
+
+
+@pytest.mark.parametrize(
+    "rows, cols, k", [(64, 40000, 10), (320, 8000, 1), (7, 8000 + 37, 10), (3, 700, 2)]
+)
+def test_topk_rows_equals_torch_topk(rows, cols, k):
+    gen = torch.Generator().manual_seed(rows + cols + k)
+    x = torch.randn(rows, cols, generator=gen)
+    x[0] = float("-inf")  # a row with nothing allowed
+    x[1, -3:] = torch.tensor([50.0, 52.0, 51.0])  # the best entries in the partial last block
+    x[-1, 100:200] = float("-inf")
+    values, index = topk_rows(x, k)
+    expected = x.topk(k, 1)
+    assert torch.equal(values, expected.values)
+    assert torch.equal(x.gather(1, index), values)  # the columns hold those values
+    assert torch.equal(index[1:], expected.indices[1:])  # no ties in continuous noise
+    if k == 1:
+        assert torch.equal(index[1:, 0], x[1:].argmax(1))

@@ -1,6 +1,8 @@
 """Transformer encoder-decoder (Vaswani et al. 2017) with an incremental key/value cache.
 
-Attention is softmax(QKᵀ/√d)V through `torch.nn.functional.scaled_dot_product_attention`.
+Attention is softmax(QKᵀ/√d)V: through `torch.nn.functional.scaled_dot_product_attention` over
+whole sequences (training, encoding), written out for the single query of a decoding step
+(`attend_one`).
 Decoding state: per layer, the self-attention cache `self_k{i}`/`self_v{i}` [B,H,t,Dh] grows by
 one position per step; the cross-attention keys/values `src_k{i}`/`src_v{i}` [B,H,S,Dh]
 are computed once per sentence in `init_state`.
@@ -72,6 +74,24 @@ def attend(
     )
 
 
+def attend_one(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """One query position per row (incremental decoding): q[B,H,1,Dh], k/v[B,H,S,Dh],
+    mask[B,1,1,S] bool or None -> y[B,H,1,Dh] and the weights [B,H,1,S] (fp32).
+
+    softmax(QKᵀ/√Dh)V written out, the softmax in fp32. For a single query two batched
+    matmuls beat SDPA on CPU, whose kernels are built for many queries: [320,4,1,64] against
+    20 keys took 0.5 ms in bf16 (SDPA math 1.1 ms, flash 2.2 ms) and 0.31 ms in fp32 (math
+    0.85 ms, flash 0.52 ms); and the weights come for free, for attention plots.
+    """
+    scores = (q @ k.transpose(-1, -2)).float() * q.size(-1) ** -0.5  # [B,H,1,S]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return weights.to(v.dtype) @ v, weights  # [B,H,1,S] @ [B,H,S,Dh] -> [B,H,1,Dh]
+
+
 def split_heads(x: Tensor, heads: int) -> Tensor:
     b, t, d = x.shape
     return x.view(b, t, heads, d // heads).transpose(1, 2)  # [B,T,D] -> [B,H,T,Dh]
@@ -126,12 +146,10 @@ class CrossAttention(nn.Module):
         y = attend(q, k, v, mask, dropout=p)
         return self.out(merge_heads(y))
 
-    def with_weights(self, x: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """As forward, also returning the weights [B,H,T,S] (explicit softmax, fp32)."""
-        q = split_heads(self.q(x), self.heads)  # [B,H,T,Dh]
-        scores = (q @ k.transpose(-1, -2)).float() * q.size(-1) ** -0.5  # [B,H,T,S]
-        weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-        y = weights.to(v.dtype) @ v  # [B,H,T,S] @ [B,H,S,Dh] -> [B,H,T,Dh]
+    def step(self, x: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """One decoder position x[B,1,D] -> y[B,1,D] and the weights [B,H,1,S] (fp32)."""
+        q = split_heads(self.q(x), self.heads)  # [B,H,1,Dh]
+        y, weights = attend_one(q, k, v, mask)
         return self.out(merge_heads(y)), weights
 
 
@@ -221,20 +239,15 @@ class DecoderLayer(nn.Module):
         k: Tensor,
         v: Tensor,
         mask: Tensor,
-        need_weights: bool,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """One position x[B,1,D] against the cache [B,H,t,Dh] -> y, cache_k', cache_v' and the
-        cross-attention weights [B,H,1,S] (None unless need_weights)."""
+        cross-attention weights [B,H,1,S]."""
         q, k_new, v_new = self.self_attn.project(self.res_self.inner(x))  # [B,H,1,Dh]
         cache_k = torch.cat([cache_k, k_new], dim=2)  # [B,H,t+1,Dh]
         cache_v = torch.cat([cache_v, v_new], dim=2)
-        y = attend(q, cache_k, cache_v)  # all cached positions are past
+        y, _ = attend_one(q, cache_k, cache_v)  # all cached positions are past
         x = self.res_self.outer(x, self.self_attn.out(merge_heads(y)))
-        query = self.res_cross.inner(x)
-        if need_weights:
-            y, weights = self.cross_attn.with_weights(query, k, v, mask)
-        else:
-            y, weights = self.cross_attn(query, k, v, mask), None
+        y, weights = self.cross_attn.step(self.res_cross.inner(x), k, v, mask)
         x = self.res_cross.outer(x, y)
         x = self.res_ffn.outer(x, self.ffn(self.res_ffn.inner(x)))
         return x, cache_k, cache_v, weights
@@ -308,13 +321,9 @@ class Transformer(nn.Module):
         x = self.dropout(self.tgt_embed(prev) + self.positions(pos))[:, None, :]  # [B,1,D]
         mask = state["src_mask"][:, None, None, :]  # [B,1,1,S]
         new_state: State = {**source_state(state), "pos": pos + 1}
-        last = len(self.decoder) - 1
-        weights = None
         for i, layer in enumerate(self.decoder):
             k, v = state[f"src_k{i}"], state[f"src_v{i}"]
-            x, ck, cv, weights = layer.step(
-                x, state[f"self_k{i}"], state[f"self_v{i}"], k, v, mask, need_weights=i == last
-            )
+            x, ck, cv, weights = layer.step(x, state[f"self_k{i}"], state[f"self_v{i}"], k, v, mask)
             new_state.update({f"self_k{i}": ck, f"self_v{i}": cv})
         logits = self.output(self.dec_norm(x[:, 0]))  # [B,V]
         attention = weights[:, :, 0, :].mean(1)  # last layer, averaged over heads [B,S]
