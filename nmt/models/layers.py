@@ -38,7 +38,7 @@ class Dropout(nn.Module):
     On CUDA this is `F.dropout`. On CPU the keep mask is drawn as 16 random bits per element
     (one int64 draw gives four), with p quantised to a multiple of 1/65536 and the scale
     matched to it: torch's CPU dropout draws one Bernoulli variate per element, which made it
-    ~3x slower (forward+backward of a [100,15,1024] bf16 tensor: 11.4 ms vs 3.9 ms) and 10%
+    2x slower (forward+backward of a [100,15,1024] bf16 tensor: 11.7 ms vs 5.8 ms) and 10%
     of a bf16 transformer training step. Randomness comes from torch's default generator, so
     seeding and exact resume work as with `nn.Dropout`.
     """
