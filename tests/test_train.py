@@ -219,8 +219,8 @@ def test_overfits_a_tiny_real_slice(arch, tmp_path):
     "overrides, kept",
     [
         # lr 0.3 without decay: the weights jitter around a valley and their mean lies lower
-        # (by 0.33-0.36 nats with 1 and 2 threads on an AVX512 CPU; at lr 0.1 it was 0.03 nats
-        # the other way there, the premise held on AVX2 only).
+        # (by 0.23-0.36 nats on a Zen 4 with AVX512 and with AVX2 kernels, 1 and 2 threads;
+        # at lr 0.1 it lost there by 0.01-0.03 nats, though it had won on a Zen 1).
         (("train.lr=0.3", "train.schedule=constant", "train.warmup_steps=0"), True),
         # warm-up then decay, early in training: every step improves, the final weights win.
         (("train.save_every=10",), False),
