@@ -61,7 +61,9 @@ def configure_host() -> None:
       fresh mmap whose pages fault in again on first touch, and freed heap tops are trimmed.
       On a 2-core KVM machine that made a fp32 copy of [1340, 8000] bf16 logits take 13 ms
       instead of 1.9 ms, and the label-smoothed loss forward+backward 89 ms instead of 29 ms.
-      The cost: the process keeps its peak heap instead of shrinking after it.
+      The cost: freed memory is kept, so the heap fragments and stays at its peak. Four
+      minutes of the Multi30k transformer recipe (bf16, validating every 150 steps): 3,825
+      vs 3,217 tok/s, peak RSS 3.1 vs 2.5 GB.
     """
     torch.set_flush_denormal(True)
     if not sys.platform.startswith("linux"):
