@@ -323,3 +323,9 @@ def test_cpu_dropout_is_inverted_dropout_with_rate_p(p, dtype):
     drop.eval()
     assert drop(x) is x
     assert Dropout(0.0)(x) is x
+
+
+def test_cpu_dropout_rate_next_to_one_keeps_a_finite_scale():
+    x = torch.ones(4096)
+    y = Dropout(1 - 1e-6).train()(x)  # rounds to 65536/65536 dropped unless clamped
+    assert torch.isfinite(y).all() and set(y.unique().tolist()) <= {0.0, 65536.0}

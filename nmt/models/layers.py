@@ -53,7 +53,8 @@ class Dropout(nn.Module):
         if x.device.type != "cpu":
             return F.dropout(x, self.p, training=True)
         n = x.numel()
-        dropped = round(self.p * 65536)  # 16-bit values below -32768 + dropped are dropped
+        # 16-bit values below -32768 + dropped are dropped; at least one value of 65536 is kept
+        dropped = min(round(self.p * 65536), 65535)
         bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
         keep = bits.view(torch.int16)[:n].view(x.shape) >= dropped - 32768
         return (x * keep).mul_(65536 / (65536 - dropped))  # one rounding, as F.dropout
