@@ -26,6 +26,9 @@ app = typer.Typer(
 )
 err = Console(stderr=True)
 out = Console()
+for _console in (err, out):  # logs and pipes: wide enough for the comparison tables
+    if not _console.is_terminal and "COLUMNS" not in os.environ:
+        _console.width = 160
 
 SET_HELP = "Override a recipe value, e.g. --set model.layers=4 (repeatable)."
 RUN_DIR_HELP = "Run directory (default: runs/<recipe-folder>_<recipe-name>)."

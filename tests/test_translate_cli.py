@@ -32,12 +32,16 @@ FP32 = ("--precision", "fp32")
 CPU = torch.device("cpu")
 
 
-def nmt_cli(*args, stdin: str = "", cwd: Path | None = None) -> subprocess.CompletedProcess:
+def nmt_cli(
+    *args, stdin: str = "", cwd: Path | None = None, columns: str | None = "400"
+) -> subprocess.CompletedProcess:
     env = {
         **os.environ,  # NMT_DATA_DIR and NMT_CACHE_DIR from the session fixture
-        "COLUMNS": "400",
+        "COLUMNS": columns,
         "OMP_NUM_THREADS": "1",  # tiny models; a shared 2-core machine
     }
+    if columns is None:  # the width nmt picks by itself
+        del env["COLUMNS"]
     return subprocess.run(
         [sys.executable, "-m", "nmt", *map(str, args)],
         input=stdin,
@@ -278,6 +282,19 @@ def test_evaluate_files_equals_sacrebleu(files):
     expected = sacrebleu_scores(lines["hyp"], [lines["ref"]])
     for metric, score in expected.items():
         assert report[metric]["score"] == pytest.approx(score, abs=1e-9), metric
+
+
+def test_evaluate_table_prints_whole_signatures_into_a_pipe(files):
+    paths, lines = files
+    table = ok(nmt_cli("evaluate", "--hyp", paths["hyp"], "--ref", paths["ref"], columns=None))
+    metrics = {
+        "BLEU": sacrebleu.metrics.BLEU(),
+        "CHRF": sacrebleu.metrics.CHRF(),
+        "TER": sacrebleu.metrics.TER(),
+    }
+    for name, metric in metrics.items():
+        metric.corpus_score(lines["hyp"], [lines["ref"]])
+        assert str(metric.get_signature()) in table.stdout, name  # not cut at 80 columns
 
 
 def test_evaluate_two_references_and_bootstrap(files):
