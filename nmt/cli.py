@@ -3,12 +3,13 @@ progress bars and tables."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import os
 import sys
 from pathlib import Path
 
-import click
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
@@ -30,7 +31,7 @@ for _console in (err, out):  # logs and pipes: wide enough for the comparison ta
     if not _console.is_terminal and "COLUMNS" not in os.environ:
         _console.width = 160
 
-SET_HELP = "Override a recipe value, e.g. --set model.layers=4 (repeatable)."
+SET_HELP = "Override a recipe value, e.g. --set train.lr=3e-4 (repeatable)."
 RUN_DIR_HELP = "Run directory (default: runs/<recipe-folder>_<recipe-name>)."
 
 
@@ -207,12 +208,14 @@ def train(
     ),
 ) -> None:
     """Train the recipe's model (prepares the data first when it is missing or stale)."""
+    from nmt import checkpoint
+    from nmt.device import resolve_device, resolve_precision
     from nmt.train import check_run_dir
     from nmt.train import train as run_train
 
     cfg = _load_config(recipe, sets)
     run_dir = run_dir or default_run_dir(recipe)
-    check_run_dir(run_dir, resume)
+    last_path = check_run_dir(run_dir, resume)
     rank = int(os.environ.get("RANK", "0"))
     if resume:
         from nmt import config
@@ -220,6 +223,9 @@ def train(
         saved = run_dir / "config.yaml"
         if saved.is_file():  # the run's own config, with this invocation's overrides on top
             cfg = config.load(saved, sets)
+        checkpoint.load(last_path)  # a damaged last.pt fails here, before the run is touched
+    # Device and precision problems fail now, not after data preparation.
+    resolve_precision(cfg.train.precision, resolve_device(cfg.train.device))
     if rank == 0:
         run_prepare(cfg, run_dir)
     reporter = RichReporter() if rank == 0 else None
@@ -279,8 +285,16 @@ def translate(
     """Translate lines from --input or stdin; one output line per input line."""
     from nmt import config
     from nmt.device import resolve_precision
-    from nmt.evaluate import load_model, search_options, translate_lines
+    from nmt.evaluate import (
+        load_model,
+        read_text_lines,
+        search_options,
+        text_lines,
+        translate_lines,
+    )
 
+    if sample and ((beam or 1) > 1 or (nbest or 1) > 1):
+        raise NMTError("--sample draws one translation per sentence; drop --beam and --nbest")
     dev = _decode_device(device)
     loaded = load_model(run, dev)
     overrides = [
@@ -319,6 +333,8 @@ def translate(
             if d.nbest > 1:
                 for text, hyp in nbest_list:
                     sink.write(f"{i} ||| {text} ||| {hyp.score:.4f}\n")
+                if not nbest_list:  # an empty input line: one empty entry keeps every id
+                    sink.write(f"{i} |||  ||| 0.0000\n")
                 continue
             text, hyp = nbest_list[0] if nbest_list else ("", None)
             sink.write(f"{text}\t{hyp.score:.4f}\n" if scores and hyp else f"{text}\n")
@@ -330,12 +346,10 @@ def translate(
         for line in sys.stdin:
             emit([line.rstrip("\n")], sys.stdout)
         return
-    if input is not None and not input.is_file():
-        raise NMTError(f"input file not found: {input}")
-    text = input.read_text(encoding="utf-8") if input else sys.stdin.read()
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
+    if input is not None:
+        lines = read_text_lines(input)
+    else:
+        lines = text_lines(sys.stdin.buffer.read(), "standard input")
     if attention_plot is not None:
         _attention_plot(loaded, lines, opts, dev, prec, attention_plot)
     from rich.progress import Progress
@@ -349,10 +363,29 @@ def translate(
         if output is None:
             emit(lines, sys.stdout)
         else:
-            tmp = output.with_name(f".{output.name}.tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
+            with _replacing(output, input) as f:
                 emit(lines, f)
-            tmp.replace(output)
+
+
+@contextlib.contextmanager
+def _replacing(path: Path, source: Path | None):
+    """A text file written beside `path` and moved over it once complete, so a failure leaves
+    `path` as it was (and no temporary file). `source` (the input) is never a target."""
+    if source is not None and path.resolve() == source.resolve():
+        raise NMTError(f"--output {path} is the --input file; write the translations elsewhere")
+    if path.is_dir():
+        raise NMTError(f"--output {path} is a directory; give a file name")
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        f = open(tmp, "w", encoding="utf-8")  # noqa: SIM115
+    except OSError as e:
+        raise NMTError(f"cannot write --output {path}: {e.strerror}") from None
+    try:
+        with f:
+            yield f
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _attention_plot(loaded, lines: list[str], opts, dev, prec, path: Path) -> None:
@@ -399,6 +432,11 @@ def evaluate(
     beam: int | None = typer.Option(None, "--beam"),
     precision: str | None = typer.Option(None, "--precision"),
     bootstrap_samples: int = typer.Option(1000, "--bootstrap-samples"),
+    tgt_lang: str | None = typer.Option(
+        None,
+        "--tgt-lang",
+        help="Target language code: picks BLEU's tokenizer (zh, ja, ko); default: the run's.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     device: str = typer.Option("auto", "--device"),
 ) -> None:
@@ -410,9 +448,10 @@ def evaluate(
     if run is not None:
         if hyp is not None:
             raise NMTError("give either a run directory or --hyp, not both")
-        hyps, refs, hyp_path = evaluate_run(
+        hyps, refs, hyp_path, run_lang = evaluate_run(
             run, split, beam, precision, _decode_device(device), err
         )
+        tgt_lang = tgt_lang or run_lang
         refs_list = [refs]
     else:
         if hyp is None or not ref:
@@ -426,17 +465,19 @@ def evaluate(
                     "hypotheses and references must be line-aligned"
                 )
         hyp_path = hyp
-    result = score(hyps, refs_list)
+    result = score(hyps, refs_list, tgt_lang)
     if compare_hyp is not None:
         other = read_text_lines(compare_hyp)
         if len(other) != len(hyps):
             raise NMTError(
                 f"line counts differ: {compare_hyp} has {len(other)} lines, {hyp_path} has {len(hyps)}"
             )
-        bs = paired_bootstrap(other, {"system": hyps}, refs_list, bootstrap_samples)
+        base, systems = paired_bootstrap(
+            other, {"system": hyps}, refs_list, bootstrap_samples, tgt_lang
+        )
         result["bootstrap"] = {
-            "system": bs["system"],
-            "compare": bs["baseline"],
+            "system": systems["system"],
+            "compare": base,
             "n_samples": bootstrap_samples,
         }
     if json_out:
@@ -478,6 +519,8 @@ def average(
     """Average model parameters of several checkpoints into one."""
     from nmt import checkpoint
 
+    if last < 0:
+        raise NMTError(f"--last must be >= 1 (got {last})")
     paths = list(checkpoints)
     if last:
         kept = checkpoint.step_checkpoints(run)
@@ -487,6 +530,8 @@ def average(
     if not paths:
         raise NMTError("say what to average: --last K or --checkpoint PATH (repeatable)")
     target = output or run / "checkpoints" / "averaged.pt"
+    if target.is_dir():
+        raise NMTError(f"--output {target} is a directory; give a file name")
     checkpoint.save(checkpoint.average(paths), target)
     err.print(f"averaged {len(paths)} checkpoints into {target}")
 
@@ -503,9 +548,13 @@ def compare(
 ) -> None:
     """Train (or reuse) each recipe, evaluate all on the same test sets, write report + plots."""
     from nmt.compare import compare as run_compare
+    from nmt.evaluate import check_bootstrap_samples
 
     for recipe in recipes:
         _load_config(recipe, sets)  # fail fast on a bad recipe before any training
+    check_bootstrap_samples(bootstrap_samples)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NMTError(f"--out {out_dir} is a file; give a directory for the report")
     report = run_compare(
         recipes,
         out_dir,
@@ -548,6 +597,18 @@ def compare(
         out.print(table)
 
 
+def _click_errors() -> tuple[type[Exception], ...]:
+    """Usage errors (bad or missing options and arguments): typer >= 0.29 raises those of its
+    own copy of click, older typer those of click."""
+    found = []
+    for module in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            found.append(importlib.import_module(module).ClickException)
+        except ImportError:
+            pass
+    return tuple(found)
+
+
 def main() -> None:
     _setup_logging(verbose=bool(os.environ.get("NMT_DEBUG")))
     try:
@@ -555,14 +616,20 @@ def main() -> None:
     except NMTError as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
-    except click.exceptions.Abort:
+    except typer.Abort:
         err.print("aborted")
         sys.exit(130)
-    except click.exceptions.ClickException as e:
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except _click_errors() as e:
         e.show()
         sys.exit(2 if e.exit_code in (1, 2) else e.exit_code)
-    except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
+    except OSError as e:  # a path the user gave cannot be read or written
+        if os.environ.get("NMT_DEBUG") or e.strerror is None:
+            raise
+        where = f": {e.filename}" if e.filename else ""
+        err.print(f"[bold red]error:[/] {escape(e.strerror + where)}", highlight=False)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -17,18 +17,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import sacrebleu
 import torch
 
 from nmt import NMTError, checkpoint, config
 from nmt.config import Config, arch_of
 from nmt.data.prepare import attach, prepare
 from nmt.device import autocast, resolve_device, resolve_precision
-from nmt.evaluate import load_model, paired_bootstrap, score, search_options, translate_texts
+from nmt.evaluate import (
+    bleu_metric,
+    check_bootstrap_samples,
+    load_model,
+    paired_bootstrap,
+    score,
+    search_options,
+    translate_texts,
+)
 from nmt.models.base import count_parameters
 from nmt.search import force_decode
 from nmt.special import EOS_ID
-from nmt.train import Reporter, train
+from nmt.train import Reporter, read_metrics, train
 
 LENGTH_BUCKETS = [(1, 10), (11, 15), (16, 20), (21, 25), (26, 10_000)]
 
@@ -94,12 +101,16 @@ def ensure_trained(
     return "resumed" if resume else "trained"
 
 
-def _bucket_bleu(hyps: list[str], refs: list[str], srcs: list[str]) -> list[float | None]:
+def _bucket_bleu(
+    hyps: list[str], refs: list[str], srcs: list[str], tgt_lang: str
+) -> list[float | None]:
     out = []
     for lo, hi in LENGTH_BUCKETS:
         idx = [i for i, s in enumerate(srcs) if lo <= len(s.split()) <= hi]
         out.append(
-            sacrebleu.corpus_bleu([hyps[i] for i in idx], [[refs[i] for i in idx]]).score
+            bleu_metric(tgt_lang)
+            .corpus_score([hyps[i] for i in idx], [[refs[i] for i in idx]])
+            .score
             if idx
             else None
         )
@@ -115,9 +126,7 @@ def evaluate_system(system: System, out: Path, splits: list[str], device) -> dic
     history = progress["history"]
     prepared = prepare(cfg)
     train_records = [
-        json.loads(line)
-        for line in (system.run_dir / "metrics.jsonl").read_text().splitlines()
-        if '"kind": "train"' in line
+        r for r in read_metrics(system.run_dir / "metrics.jsonl") if r["kind"] == "train"
     ]
     result: dict[str, Any] = {
         "name": system.name,
@@ -128,7 +137,7 @@ def evaluate_system(system: System, out: Path, splits: list[str], device) -> dic
         "train_minutes": progress["seconds"] / 60,
         "steps": progress["step"],
         "train_tokens_per_s": progress["tokens"] / max(progress["train_seconds"], 1e-9),
-        "best_valid_bleu": max((r.get("bleu", float("nan")) for r in history), default=None),
+        "best_valid_bleu": max((r["bleu"] for r in history if "bleu" in r), default=None),
         "finished": progress["finished"],
         # The checkpoint evaluated: best.pt, the step it was saved at, and the steps whose
         # weights it averages when train.average_last picked an average.
@@ -195,13 +204,19 @@ def compare(
     """Train/reuse every recipe, evaluate all identically, write report.{md,json} and plots."""
     if not recipes:
         raise NMTError("give at least one recipe to compare")
-    out.mkdir(parents=True, exist_ok=True)
+    check_bootstrap_samples(bootstrap_samples)
     systems = plan(recipes, out, sets or [], budget)
     data_keys = {s.cfg.data.src + s.cfg.data.tgt + str(s.cfg.data.test) for s in systems}
     if len(data_keys) > 1:
         raise NMTError(
             "recipes translate different directions or test sets; compare needs one task"
         )
+    if not systems[0].cfg.data.test:
+        raise NMTError(
+            "the recipes name no test sets (data.test is empty); nmt compare scores the systems "
+            "on them, so list at least one"
+        )
+    out.mkdir(parents=True, exist_ok=True)  # only once the setup is known to be sound
     for i, system in enumerate(systems, 1):
         say(f"[{i}/{len(systems)}] {system.name} ({arch_of(system.cfg.model)})")
         ensure_trained(system, reporter_factory, say)
@@ -209,6 +224,7 @@ def compare(
     device = resolve_device(systems[0].cfg.train.device)
     prepared = prepare(systems[0].cfg)
     splits = [s for s in prepared.summary["splits"] if s not in ("train", "valid")]
+    tgt_lang = systems[0].cfg.data.tgt
     results = []
     for i, system in enumerate(systems, 1):
         say(f"[{i}/{len(systems)}] evaluating {system.name} on {', '.join(splits)}")
@@ -220,13 +236,16 @@ def compare(
         refs, srcs = data.texts("tgt"), data.texts("src")
         for r in results:
             hyps = r["translations"][split]
-            r["test"][split] = {k: score(hyps, [refs])[k] for k in ("bleu", "chrf", "ter")}
-            r["test"][split]["bleu_by_length"] = _bucket_bleu(hyps, refs, srcs)
+            scores = score(hyps, [refs], tgt_lang)
+            r["test"][split] = {k: scores[k] for k in ("bleu", "chrf", "ter")}
+            r["test"][split]["bleu_by_length"] = _bucket_bleu(hyps, refs, srcs, tgt_lang)
         best = max(results, key=lambda r: r["test"][split]["bleu"]["score"])
         others = {r["name"]: r["translations"][split] for r in results if r is not best}
-        bs = paired_bootstrap(best["translations"][split], others, [refs], bootstrap_samples)
+        base, vs_best = paired_bootstrap(
+            best["translations"][split], others, [refs], bootstrap_samples, tgt_lang
+        )
         for r in results:
-            stats = bs["baseline" if r is best else r["name"]]
+            stats = base if r is best else vs_best[r["name"]]
             for metric in ("bleu", "chrf"):
                 entry = r["test"][split][metric]
                 entry.update({k: stats[metric][k] for k in ("ci_low", "ci_high")})

@@ -157,6 +157,12 @@ class TrainConfig:
             "train.max_steps",
             "set at least one budget: train.max_steps, train.max_epochs or train.max_minutes",
         )
+        _check(
+            self.schedule != "cosine" or self.max_steps is not None or self.max_epochs is not None,
+            "train.schedule",
+            "cosine decays to train.min_lr at the last step, so it needs train.max_steps or "
+            "train.max_epochs (train.max_minutes alone does not say when that step comes)",
+        )
         for key in ("max_steps", "max_epochs", "log_every", "valid_every", "save_every"):
             value = getattr(self, key)
             _check(value is None or value > 0, f"train.{key}", "must be a positive integer")
@@ -190,6 +196,8 @@ class DecodeConfig:
         _check(1 <= self.nbest <= self.beam, "decode.nbest", "must be between 1 and decode.beam")
         _check(self.max_len_a >= 0 and self.max_len_b >= 1, "decode.max_len_b", "must be >= 1")
         _check(self.batch_tokens >= 16, "decode.batch_tokens", "must be >= 16")
+        _check(self.min_len >= 0, "decode.min_len", "must be >= 0")
+        _check(self.no_repeat_ngram >= 0, "decode.no_repeat_ngram", "must be >= 0 (0 = off)")
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,14 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise NMTError("train.device=cuda but no CUDA device is available; use cpu or auto")
+    """auto (CUDA when available), cpu, cuda or cuda:N."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kind, _, index = name.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not (kind == "cuda" and index.isdigit())):
+        raise NMTError(f"unknown device {name!r}; choose auto, cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise NMTError(f"device {name} asked for, but no CUDA device is available; use cpu or auto")
     return torch.device(name)
 
 
@@ -35,6 +39,8 @@ def cpu_has_bf16() -> bool:
 def resolve_precision(precision: str, device: torch.device) -> str:
     """`auto` -> the fastest safe choice: bf16 on CUDA when supported (else fp16), bf16 on CPUs
     with native bf16, fp32 otherwise. fp16 needs CUDA."""
+    if precision != "auto" and precision not in DTYPES:
+        raise NMTError(f"unknown precision {precision!r}; choose auto, fp32, bf16 or fp16")
     if precision == "auto":
         if device.type == "cuda":
             return "bf16" if torch.cuda.is_bf16_supported() else "fp16"

@@ -28,7 +28,7 @@ def attention_heatmap(
         ax.set_title(title, fontsize=9)
     if own:
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=120, format="png")  # at exactly `path`, whatever its suffix
         plt.close(fig)
 
 
@@ -52,7 +52,7 @@ def curves(
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")  # at exactly `path`, whatever its suffix
     plt.close(fig)
 
 
@@ -78,5 +78,5 @@ def grouped_bars(
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")  # at exactly `path`, whatever its suffix
     plt.close(fig)

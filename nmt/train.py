@@ -148,6 +148,20 @@ class Result:
     stop_reason: str
 
 
+def spent_budget(progress: Progress, t: TrainConfig) -> str:
+    """Why a run cannot train further under the budgets of `t` ('' when it can)."""
+    if t.max_steps is not None and progress.step >= t.max_steps:
+        return f"reached train.max_steps={t.max_steps}"
+    if t.max_epochs is not None and progress.epoch >= t.max_epochs:
+        return f"reached train.max_epochs={t.max_epochs}"
+    if t.max_minutes is not None and progress.seconds >= t.max_minutes * 60:
+        return f"reached train.max_minutes={t.max_minutes}"
+    stopped = progress.finished.startswith("early stopping")
+    if stopped and t.patience is not None and progress.bad_validations >= t.patience:
+        return progress.finished
+    return ""
+
+
 def better(metric: str, value: float, best: float | None) -> bool:
     if best is None:
         return True
@@ -157,20 +171,22 @@ def better(metric: str, value: float, best: float | None) -> bool:
 # -- distributed ----------------------------------------------------------------------------
 
 
-def _distributed() -> tuple[int, int]:
+def _distributed(cuda: bool) -> tuple[int, int]:
+    """(rank, world size); under torchrun, joins the process group: NCCL when training on
+    CUDA, gloo on CPU (also on a machine with GPUs when train.device=cpu)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        dist.init_process_group("nccl" if cuda else "gloo")
     if world > 1:
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
-def _all_sum(value: float, world: int) -> float:
+def _all_sum(value: float, world: int, device: torch.device) -> float:
+    """The sum of `value` over all ranks (on `device`: NCCL reduces CUDA tensors only)."""
     if world == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return float(t.item())
 
@@ -238,7 +254,7 @@ def validate(
             precision,
             beam=cfg.train.valid_beam,
         )
-        scores = score(hyps, [split.texts("tgt")[:n]])
+        scores = score(hyps, [split.texts("tgt")[:n]], cfg.data.tgt)
         record.update({"bleu": scores["bleu"]["score"], "chrf": scores["chrf"]["score"]})
     return record
 
@@ -246,6 +262,8 @@ def validate(
 def check_run_dir(run_dir: Path, resume: bool) -> Path:
     """Never overwrite a run by accident; never resume from nothing. Returns last.pt's path."""
     last_path = run_dir / "checkpoints" / "last.pt"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise NMTError(f"{run_dir} is a file, not a run directory; choose another --run-dir")
     if not resume and last_path.exists():
         raise NMTError(
             f"{run_dir} already holds a trained run; continue it with --resume or choose another --run-dir"
@@ -264,13 +282,13 @@ def train(
     """Train `cfg` into `run_dir` (see the module docstring)."""
     reporter = reporter or NullReporter()
     t = cfg.train
-    rank, world = _distributed()
+    device = resolve_device(t.device)
+    rank, world = _distributed(device.type == "cuda")
     is_main = rank == 0
     ckpt_dir = run_dir / "checkpoints"
     last_path = check_run_dir(run_dir, resume)
 
     # Setup: device, precision, data, model, optimizer.
-    device = resolve_device(t.device)
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
@@ -311,6 +329,16 @@ def train(
             scaler.load_state_dict(payload["scaler"])
         progress = Progress(**payload["progress"])
         set_rng_state(payload["rng"][min(rank, len(payload["rng"]) - 1)])
+        spent = spent_budget(progress, t)
+        if spent:  # nothing to do: report, touch nothing
+            if is_main:
+                reporter.message(
+                    f"the run in {run_dir} has {spent} already; raise that budget with --set "
+                    "to train further"
+                )
+            progress.finished = progress.finished or spent
+            return Result(run_dir, progress, spent)
+        progress.finished = ""  # this invocation's budgets decide when the run is complete
     train_model: torch.nn.Module = model
     if t.compile:
         train_model = torch.compile(model)
@@ -328,9 +356,12 @@ def train(
     run_dir.mkdir(parents=True, exist_ok=True)
     if resume and is_main:
         _truncate_metrics(run_dir / "metrics.jsonl", progress.step)
-    file_log = _file_logger(run_dir) if is_main else None
-    metrics = open(run_dir / "metrics.jsonl", "a") if is_main else None  # noqa: SIM115
+    closing = contextlib.ExitStack()  # closed when the loop ends, also on errors
+    file_log = _file_logger(run_dir, closing) if is_main else None
+    metrics = closing.enter_context(open(run_dir / "metrics.jsonl", "a")) if is_main else None
     tb = _tensorboard(run_dir) if (is_main and t.tensorboard) else None
+    if tb:
+        closing.callback(tb.close)
     info = {
         "arch": arch,
         "params": n_params,
@@ -434,7 +465,7 @@ def train(
             if t.patience is not None and progress.bad_validations >= t.patience:
                 stop = 1.0
         model.train()
-        return _all_sum(stop, world) > 0
+        return _all_sum(stop, world, device) > 0
 
     def average_last_saves() -> None:
         """Validate the average of the last `train.average_last` saves like a checkpoint of
@@ -458,12 +489,13 @@ def train(
     nonfinite = 0
     model.train()
     log_tokens, log_loss, log_time = 0, 0.0, time.perf_counter()
-    with _Signals() as signals:
+    with closing, _Signals() as signals:
         while not stop_reason:
-            if t.max_epochs is not None and progress.epoch >= t.max_epochs:
-                stop_reason = f"reached train.max_epochs={t.max_epochs}"
-                break
             epoch_batches = batches.epoch(progress.epoch, start=progress.batch_in_epoch)
+            if not epoch_batches:  # a checkpoint saved at the very end of an epoch
+                progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
+                stop_reason = progress.finished = spent_budget(progress, t)
+                continue
             for g in range(0, len(epoch_batches), t.accumulate):
                 group = [train_split.collate(i) for i in epoch_batches[g : g + t.accumulate]]
                 step_start = time.perf_counter()
@@ -472,11 +504,11 @@ def train(
                 for param_group in optimizer.param_groups:
                     param_group["lr"] = lr
                 # Accumulate: normalise by all target tokens of the step, on every rank.
-                step_tokens = _all_sum(sum(b.tgt_tokens for b in group), world)
+                step_tokens = _all_sum(sum(b.tgt_tokens for b in group), world, device)
                 loss_sum = _accumulate(
                     train_model, group, step_tokens, world, device, precision, scaler, t
                 )
-                loss_sum = _all_sum(loss_sum, world)  # every rank sees the global loss
+                loss_sum = _all_sum(loss_sum, world, device)  # every rank sees the global loss
                 # Clip and step (fp16: the scaler skips steps with inf/nan gradients).
                 scaler.unscale_(optimizer)
                 grad_norm = float(
@@ -519,10 +551,15 @@ def train(
                     write_metrics(record)
                     reporter.log(record)
                     log_tokens, log_loss, log_time = 0, 0.0, now
-                # Stop conditions, agreed by every rank.
+                if g + t.accumulate >= len(epoch_batches):  # the epoch's last step
+                    progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
+                # Stop conditions, agreed by every rank. One sum carries both flags: a signal
+                # counts 1 per rank, running out of time world + 1 per rank.
                 over_time = t.max_minutes is not None and progress.seconds >= t.max_minutes * 60
                 flags = _all_sum(
-                    float(signals.received is not None) + 2.0 * float(over_time), world
+                    float(signals.received is not None) + (world + 1.0) * float(over_time),
+                    world,
+                    device,
                 )
                 if nonfinite >= t.max_nonfinite:
                     stop_reason = (
@@ -531,7 +568,9 @@ def train(
                     )
                 elif t.max_steps is not None and progress.step >= t.max_steps:
                     stop_reason = f"reached train.max_steps={t.max_steps}"
-                elif flags >= 2:
+                elif t.max_epochs is not None and progress.epoch >= t.max_epochs:
+                    stop_reason = f"reached train.max_epochs={t.max_epochs}"
+                elif flags >= world + 1:
                     stop_reason = f"reached train.max_minutes={t.max_minutes}"
                 elif flags >= 1:
                     stop_reason = f"interrupted ({signals.received or 'signal on another rank'})"
@@ -553,23 +592,8 @@ def train(
                     break
                 if validating or saving:  # keep tokens/s about training only
                     log_tokens, log_loss, log_time = 0, 0.0, time.perf_counter()
-            else:
-                progress.epoch += 1
-                progress.batch_in_epoch = 0
-                if t.max_epochs is not None and progress.epoch >= t.max_epochs:
-                    stop_reason = progress.finished = f"reached train.max_epochs={t.max_epochs}"
-                    rngs = gather_rngs()
-                    run_validation()
-                    save("last")
-                    if t.average_last > 1 and is_main:
-                        average_last_saves()
-
-    if file_log:
-        file_log.info("end: %s at step %d", stop_reason, progress.step)
-    if metrics:
-        metrics.close()
-    if tb:
-        tb.close()
+        if file_log:
+            file_log.info("end: %s at step %d", stop_reason, progress.step)
     if world > 1:
         dist.barrier()
     return Result(run_dir, progress, stop_reason)
@@ -594,25 +618,49 @@ def _accumulate(
     return total
 
 
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a run's metrics.jsonl. A last line cut short (the run was killed while
+    writing it) is left out; any other line that is not a JSON record is an error."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise NMTError(
+                f"{path}, line {i + 1}, is not a JSON record; repair that line or delete the file "
+                "(the checkpoints keep the validation history)"
+            ) from None
+    return records
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
     """Drop records logged after the checkpoint a resumed run restarts from (a killed run may
-    have logged steps it will now repeat)."""
+    have logged steps it will now repeat, or half a line)."""
     if not path.is_file():
         return
-    keep = [
-        line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step
-    ]
-    path.write_text("".join(line + "\n" for line in keep))
+    keep = [r for r in read_metrics(path) if r["step"] <= step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
 
 
-def _file_logger(run_dir: Path) -> logging.Logger:
+def _file_logger(run_dir: Path, closing: contextlib.ExitStack) -> logging.Logger:
+    """The run's train.log; its file is closed (and the handler removed) by `closing`."""
     logger = logging.getLogger(f"nmt.run.{run_dir.resolve()}")
     logger.setLevel(logging.INFO)
     logger.propagate = False
-    if not logger.handlers:
-        handler = logging.FileHandler(run_dir / "train.log")
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        logger.addHandler(handler)
+    handler = logging.FileHandler(run_dir / "train.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    logger.addHandler(handler)
+
+    def close() -> None:
+        logger.removeHandler(handler)
+        handler.close()
+
+    closing.callback(close)
     return logger
 
 

@@ -119,3 +119,37 @@ def test_compare_three_architectures_and_reuse(tmp_path):
             a["test"]["test_2016_flickr"]["bleu"]["score"]
             == b["test"]["test_2016_flickr"]["bleu"]["score"]
         )
+
+
+def test_compare_without_test_sets_fails_before_training(tmp_path):
+    out = tmp_path / "cmp"
+    result = subprocess.run(
+        [sys.executable, "-m", "nmt", "compare", RECIPES[0], "--out", str(out)]
+        + ["--set", "data.test=[]"],
+        env={**os.environ, "COLUMNS": "300"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "data.test is empty" in result.stderr and result.stderr.strip().count("\n") == 0
+    assert not (out / "runs").exists()
+
+
+def test_compare_refuses_a_file_as_out_and_bad_bootstrap_samples(tmp_path):
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "nmt", "compare", RECIPES[0], *args],
+            env={**os.environ, "COLUMNS": "300"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    a_file = tmp_path / "report"
+    a_file.write_text("keep\n")
+    res = run("--out", str(a_file))
+    assert res.returncode == 2 and "is a file" in res.stderr and a_file.read_text() == "keep\n"
+    res = run("--out", str(tmp_path / "cmp"), "--bootstrap-samples", "0")
+    assert res.returncode == 2 and "--bootstrap-samples must be >= 1" in res.stderr
+    assert not (tmp_path / "cmp").exists()

@@ -189,8 +189,12 @@ INVALID_VALUES = [
     ({"train": {"max_steps": 0}}, "train.max_steps"),
     ({"train": {"average_last": 0}}, "train.average_last"),
     ({"train": {"keep_last": 1, "average_last": 3}}, "train.average_last"),
+    # cosine needs to know its last step; a time budget does not say when it comes
+    ({"train": {"schedule": "cosine", "max_steps": None, "max_minutes": 30}}, "train.schedule"),
     ({"decode": {"beam": 2, "nbest": 3}}, "decode.nbest"),
     ({"decode": {"beam": 0}}, "decode.beam"),
+    ({"decode": {"no_repeat_ngram": -1}}, "decode.no_repeat_ngram"),
+    ({"decode": {"min_len": -1}}, "decode.min_len"),
 ]
 
 
@@ -205,6 +209,7 @@ def test_invalid_value_names_the_key(raw, key):
 def test_invalid_model_value_reports_the_model_check():
     message = error_of({"model": {"d_model": 30, "heads": 4}})
     assert "model" in message and "divisible" in message
+    assert ">= 1" in error_of({"model": {"heads": 0}})  # checked before dividing by it
 
 
 # -- overrides -------------------------------------------------------------------------------

@@ -366,12 +366,17 @@ def test_source_specific_errors_name_the_problem(
 def test_pipeline_errors_name_the_problem(tmp_path):
     write_lines(tmp_path / "train.en", ["A black dog runs.", "Two cats sleep."])
     write_lines(tmp_path / "train.de", ["Ein schwarzer Hund rennt.", "Zwei Katzen schlafen."])
+    write_lines(tmp_path / "empty.en", [])
+    write_lines(tmp_path / "empty.de", [])
     text = {"source": "text", "train": str(tmp_path / "train"), "valid": str(tmp_path / "train")}
     cases = [
         ({**text, "test": [], "max_len": 1}, ["empty after filtering", "data.max_len=1"]),
         ({"src": "cs"}, ["unknown language 'cs'", "test_2017_flickr", "en, de, fr"]),
         ({"test": ["test_2018_flickr"]}, ["unknown split 'test_2018_flickr'", "test_2016_flickr"]),
         ({**text, "valid": str(tmp_path / "nope")}, ["file not found", str(tmp_path / "nope.en")]),
+        # an empty valid or test split would only fail at the first validation or at scoring
+        ({**text, "test": [], "valid": str(tmp_path / "empty")}, ["valid split", "no sentence"]),
+        ({**text, "test": [str(tmp_path / "empty")]}, ["empty split", "holds no sentence pairs"]),
     ]
     for data, fragments in cases:
         with pytest.raises(NMTError) as info:

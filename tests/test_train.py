@@ -15,11 +15,20 @@ import pytest
 import torch
 
 from nmt import NMTError, checkpoint, config
+from nmt.data.batching import TokenBatches
 from nmt.data.prepare import attach, prepare
 from nmt.models.base import Vocab
 from nmt.models.registry import build_model
 from nmt.models.transformer import TransformerConfig
-from nmt.train import _accumulate, _validation_loss, label_smoothed_loss, lr_at, train
+from nmt.train import (
+    _accumulate,
+    _truncate_metrics,
+    _validation_loss,
+    label_smoothed_loss,
+    lr_at,
+    read_metrics,
+    train,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny"
@@ -301,6 +310,70 @@ def test_early_stopping_with_patience(tmp_path):
     assert (tmp_path / "early" / "checkpoints" / "best.pt").is_file()
 
 
+def test_resuming_a_finished_run_trains_only_under_a_larger_budget(tmp_path):
+    run = tmp_path / "more"
+    sets = (
+        "train.save_every=5",
+        "train.keep_last=2",
+        "train.average_last=2",
+        "train.valid_every=1000",
+        "train.valid_bleu=false",
+    )
+    first = train_api(tiny("transformer", "train.max_steps=10", *sets), run)
+    assert first.progress.finished == "reached train.max_steps=10"
+    last, metrics = run / "checkpoints" / "last.pt", run / "metrics.jsonl"
+    # The budget it has reached: nothing to train, nothing written.
+    before = last.read_bytes(), metrics.read_bytes()
+    same = train(tiny("transformer", "train.max_steps=10", *sets), run, resume=True)
+    assert same.stop_reason == "reached train.max_steps=10" and same.progress.step == 10
+    assert (last.read_bytes(), metrics.read_bytes()) == before
+    # A larger budget: trains on and finishes again, averaging once, at the new end.
+    more = train(tiny("transformer", "train.max_steps=14", *sets), run, resume=True)
+    assert more.progress.step == 14 and more.progress.finished == "reached train.max_steps=14"
+    averaged = [r["averaged"] for r in more.progress.history if "averaged" in r]
+    assert len(averaged) == 2 and averaged[-1][-1] == 14
+    payload = checkpoint.load(last)
+    assert payload["progress"]["finished"] == more.progress.finished and payload["rng"]
+    again = train(tiny("transformer", "train.max_steps=16", *sets), run, resume=True)
+    assert again.progress.step == 16
+
+
+def test_the_last_epoch_ends_with_one_validation(tmp_path):
+    """valid_every divides the epoch: the final step validates and saves once (it used to run a
+    second, identical validation after the epoch loop) and the run is complete."""
+    cfg = tiny(
+        "transformer", "train.max_steps=null", "train.max_epochs=1", "train.valid_bleu=false"
+    )
+    split = prepare(cfg).split("train")
+    steps = len(
+        TokenBatches(split.src_lens, split.tgt_lens, cfg.train.batch_tokens, cfg.train.seed).epoch(
+            0
+        )
+    )
+    cfg = config.replace(cfg, [f"train.valid_every={steps}", f"train.save_every={steps}"])
+    result = train_api(cfg, tmp_path / "epoch")
+    records = read_metrics(tmp_path / "epoch" / "metrics.jsonl")
+    assert [r["step"] for r in records if r["kind"] == "valid"] == [steps]
+    assert len(result.progress.history) == 1
+    assert result.progress.finished == "reached train.max_epochs=1"
+    assert (result.progress.step, result.progress.epoch, result.progress.batch_in_epoch) == (
+        steps,
+        1,
+        0,
+    )
+
+
+def test_a_half_written_metrics_line_is_dropped_on_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    records = [{"kind": "train", "step": s, "loss": 1.0 / s} for s in (5, 10, 15)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"kind": "train", "st')
+    _truncate_metrics(path, 10)  # killed while writing: a resumed run used to crash here
+    assert read_metrics(path) == records[:2]
+    path.write_text('{"kind": "train", "step": 5}\nnot json\n{"kind": "train", "step": 10}\n')
+    with pytest.raises(NMTError, match="line 2, is not a JSON record"):
+        _truncate_metrics(path, 10)
+
+
 def test_non_finite_losses_stop_training_with_a_usable_checkpoint(tmp_path, monkeypatch):
     import nmt.train as trainer
 
@@ -470,6 +543,55 @@ def test_ddp_two_gloo_processes_match_one_process_accumulating(tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
+def test_a_signal_on_every_rank_is_an_interruption(tmp_path):
+    """Ctrl-C reaches every worker of a multi-process run: an interruption to resume, not a
+    spent time budget (the ranks' flags once summed to the time budget's code)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "ddp-term"
+    sets = [
+        "--set",
+        "train.max_steps=100000",
+        "--set",
+        "train.save_every=5",
+        "--set",
+        "train.valid_every=100000",
+    ]
+    env = {
+        **os.environ,
+        "COLUMNS": "400",
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+    }
+    recipe = str(TINY / "transformer.yaml")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "nmt", "train", recipe, "--run-dir", str(run_dir), *sets],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        _wait_for(run_dir / "checkpoints" / "step-5.pt", procs[0])
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        errs = [proc.communicate(timeout=120)[1] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [0, 0], errs
+    assert "interrupted (" in errs[0] and "--resume" in errs[0], errs[0]
+    assert checkpoint.load(run_dir / "checkpoints" / "last.pt")["progress"]["finished"] == ""
+
+
 @pytest.mark.parametrize("arch", ["seq2seq", "rnn_attention", "transformer"])
 def test_cli_train_then_translate_each_architecture(arch, tmp_path):
     run_dir = tmp_path / arch
@@ -535,3 +657,33 @@ def test_train_refuses_bad_input_without_touching_the_run(tmp_path):
         "train", str(TINY / "transformer.yaml"), "--run-dir", str(tmp_path / "y"), "--resume"
     )
     assert res.returncode == 2 and "nothing to resume" in res.stderr
+
+
+def test_train_cli_fails_before_touching_anything(tmp_path):
+    recipe = str(TINY / "transformer.yaml")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a run\n")
+    res = run_cli("train", recipe, "--run-dir", str(a_file))
+    assert res.returncode == 2 and "is a file, not a run directory" in res.stderr
+    assert a_file.read_text() == "not a run\n"
+    # fp16 on a CPU: refused before the data is prepared and before the run dir exists.
+    res = run_cli(
+        "train", recipe, "--run-dir", str(tmp_path / "fp16"), "--set", "train.precision=fp16"
+    )
+    assert res.returncode == 2 and "needs a CUDA device" in res.stderr
+    assert res.stderr.strip().count("\n") == 0 and not (tmp_path / "fp16").exists()
+
+
+def test_resume_from_a_damaged_checkpoint_leaves_the_run_as_it_was(tmp_path):
+    recipe = str(TINY / "transformer.yaml")
+    run = tmp_path / "run"
+    assert (
+        run_cli("train", recipe, "--run-dir", str(run), "--set", "train.max_steps=3").returncode
+        == 0
+    )
+    last = run / "checkpoints" / "last.pt"
+    last.write_bytes(last.read_bytes()[:5000])
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    res = run_cli("train", recipe, "--run-dir", str(run), "--resume", "--set", "train.max_steps=6")
+    assert res.returncode == 2 and str(last) in res.stderr and "Traceback" not in res.stderr
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before

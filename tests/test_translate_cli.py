@@ -351,6 +351,60 @@ def test_evaluate_missing_file(files, tmp_path):
     assert str(missing) in message
 
 
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (("--precision", "fp64"), "unknown precision 'fp64'"),
+        (("--beam", "0"), "beam size must be >= 1"),
+    ],
+)
+def test_evaluate_bad_decoding_options(run, args, fragment):
+    assert fragment in one_line_error(nmt_cli("evaluate", run, "--split", "valid", *args))
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (("--temperature", "0"), "--temperature must be > 0"),
+        (("--top-p", "0"), "--top-p must be in (0, 1]"),
+        (("--top-k", "-1"), "--top-k must be >= 0"),
+    ],
+)
+def test_translate_bad_sampling_options(run, args, fragment):
+    result = nmt_cli("translate", run, "--sample", *args, stdin="A man.\n")
+    assert fragment in one_line_error(result)
+
+
+def test_paired_bootstrap_takes_any_system_name(files):
+    """A system called "baseline" keeps its own statistics (it once took the baseline's)."""
+    from nmt.evaluate import paired_bootstrap
+
+    _, lines = files
+    n = 200
+    hyp, other, ref = lines["hyp"][:n], lines["other"][:n], lines["ref"][:n]
+    base, systems = paired_bootstrap(hyp, {"baseline": other}, [ref], 50)
+    assert base["bleu"]["score"] == pytest.approx(sacrebleu.corpus_bleu(hyp, [ref]).score)
+    assert systems["baseline"]["bleu"]["score"] == pytest.approx(
+        sacrebleu.corpus_bleu(other, [ref]).score
+    )
+    assert base["bleu"]["p_value"] is None and systems["baseline"]["bleu"]["p_value"] is not None
+
+
+def test_bleu_tokenizer_follows_the_target_language(files):
+    from nmt import NMTError
+    from nmt.evaluate import score
+
+    _, lines = files
+    hyp, ref = lines["hyp"][:50], lines["ref"][:50]
+    assert "tok:13a" in score(hyp, [ref], "de")["bleu"]["signature"]
+    assert "tok:zh" in score(hyp, [ref], "zh")["bleu"]["signature"]
+    try:
+        import MeCab  # noqa: F401
+    except ImportError:  # without sacreBLEU's extras: a clear error, not a wrong score
+        with pytest.raises(NMTError, match=r"pip install 'sacrebleu\[ja\]'"):
+            score(hyp, [ref], "ja")
+
+
 def copy_run(run: Path, dest: Path) -> Path:
     shutil.copytree(run, dest, ignore=shutil.ignore_patterns("translations", "step-*.pt"))
     return dest
@@ -437,3 +491,131 @@ def test_average_last_checkpoints(run, english, tmp_path):
     ok(nmt_cli("average", run, "--last", "2", "--output", elsewhere))
     moved = ok(nmt_cli("translate", elsewhere, "--input", src, *FP32))
     assert moved.stdout == result.stdout
+
+
+# -- user errors on the command line: one line (or click's usage and one error line), exit 2
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("translate", "RUN", "--bogus"),
+        ("translate", "RUN", "--beam", "abc"),
+        ("bogus",),
+        ("train",),
+    ],
+)
+def test_usage_errors_exit_2_without_a_traceback(run, args):
+    result = nmt_cli(*[run if a == "RUN" else a for a in args])
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert result.stderr.strip().splitlines()[-1].startswith("Error: ")
+
+
+def test_translate_never_overwrites_its_input(run, english, tmp_path):
+    src = tmp_path / "in.en"
+    src.write_text(english[0] + "\n", encoding="utf-8")
+    message = one_line_error(nmt_cli("translate", run, "-i", src, "-o", tmp_path / "." / "in.en"))
+    assert "is the --input file" in message
+    assert src.read_text(encoding="utf-8") == english[0] + "\n"
+
+
+def test_translate_output_paths_that_cannot_be_written(run, english, tmp_path):
+    src = tmp_path / "in.en"
+    src.write_text(english[0] + "\n", encoding="utf-8")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    assert "is a directory" in one_line_error(nmt_cli("translate", run, "-i", src, "-o", folder))
+    missing = tmp_path / "nowhere" / "out.de"
+    message = one_line_error(nmt_cli("translate", run, "-i", src, "-o", missing))
+    assert f"cannot write --output {missing}" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "in.en"]  # no temp files
+
+
+def test_translate_input_that_is_not_utf8(run, tmp_path):
+    latin1 = "A man.\nUn garçon.\n".encode("latin-1")
+    src = tmp_path / "latin1.en"
+    src.write_bytes(latin1)
+    existing = tmp_path / "out.de"
+    existing.write_text("keep me\n", encoding="utf-8")
+    message = one_line_error(nmt_cli("translate", run, "-i", src, "-o", existing))
+    assert f"{src}, line 2: bytes that are not UTF-8" in message
+    assert existing.read_text(encoding="utf-8") == "keep me\n"
+    piped = subprocess.run(
+        [sys.executable, "-m", "nmt", "translate", str(run)],
+        input=latin1,
+        capture_output=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
+    assert piped.returncode == 2 and b"Traceback" not in piped.stderr
+    assert b"standard input, line 2: bytes that are not UTF-8" in piped.stderr
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (("--sample", "--beam", "4"), "drop --beam and --nbest"),
+        (("--sample", "--nbest", "2"), "drop --beam and --nbest"),
+        (("--no-repeat-ngram", "-1"), "decode.no_repeat_ngram"),
+        (("--device", "tpu"), "unknown device 'tpu'"),
+    ],
+)
+def test_translate_refuses_option_values_it_cannot_honour(run, args, fragment):
+    assert fragment in one_line_error(nmt_cli("translate", run, *args, stdin="A man.\n"))
+
+
+def test_nbest_output_keeps_an_entry_for_every_input_line(run, english):
+    rows = out_lines(
+        ok(
+            nmt_cli(
+                "translate", run, "--nbest", "2", "--beam", "3", *FP32, stdin=f"{english[0]}\n\n"
+            )
+        ).stdout
+    )
+    assert [row.split(" ||| ")[0] for row in rows] == ["0", "0", "1"]
+    assert rows[-1] == "1 |||  ||| 0.0000"
+
+
+def test_damaged_tokenizer(run, tmp_path):
+    copy = copy_run(run, tmp_path / "run")
+    for model in (copy / "tokenizer").glob("spm*.model"):
+        model.write_bytes(model.read_bytes()[:1000])
+    assert "is not a sentencepiece model" in one_line_error(
+        nmt_cli("translate", copy, stdin="A man.\n")
+    )
+
+
+def test_attention_plot_is_written_at_the_path_given(run, english, tmp_path):
+    target = tmp_path / "heatmap"  # no .png suffix: matplotlib would have added one
+    ok(nmt_cli("translate", run, "--attention-plot", target, stdin=english[0] + "\n"))
+    assert target.read_bytes()[:8] == PNG_MAGIC
+    assert not (tmp_path / "heatmap.png").exists()
+
+
+def test_evaluate_empty_files_and_bootstrap_samples(files, tmp_path):
+    paths, _ = files
+    empty = tmp_path / "empty.txt"
+    empty.write_text("", encoding="utf-8")
+    assert "nothing to score" in one_line_error(nmt_cli("evaluate", "--hyp", empty, "--ref", empty))
+    message = one_line_error(
+        nmt_cli(
+            "evaluate",
+            "--hyp",
+            paths["hyp"],
+            "--ref",
+            paths["ref"],
+            "--compare-hyp",
+            paths["other"],
+            "--bootstrap-samples",
+            "0",
+        )
+    )
+    assert "--bootstrap-samples must be >= 1" in message
+
+
+def test_average_refuses_bad_counts_and_directory_outputs(run, tmp_path):
+    assert "--last must be >= 1" in one_line_error(nmt_cli("average", run, "--last", "-1"))
+    message = one_line_error(nmt_cli("average", run, "--last", "2", "--output", tmp_path))
+    assert "is a directory" in message
+    assert not (run / "checkpoints" / "averaged.pt").exists()

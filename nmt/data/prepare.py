@@ -142,6 +142,10 @@ def _prepare_into(cfg: Config, work: Path) -> dict:
         limit = {"train": d.limit_train, "valid": d.limit_valid}.get(name, d.limit_test)
         if limit is not None and limit < len(ds):
             ds = ds.select(range(limit))
+        if name != "train" and len(ds) == 0:  # validation and scoring need sentences
+            raise NMTError(
+                f"the {name} split ({split}) holds no sentence pairs; point it at a non-empty corpus"
+            )
         raw[name] = ds
 
     # Cleaning (training split only): strip, drop empty sides; lengths are checked after encoding.

@@ -7,6 +7,7 @@ named corpora (multi30k) read from a local copy or downloaded with integrity che
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import json
@@ -197,6 +198,10 @@ def _user_error(e: Exception) -> Exception:
 
 
 def _from_generator(generator, kwargs: dict, cache_dir: Path) -> datasets.Dataset:
+    with contextlib.closing(generator(**kwargs)) as pairs:
+        empty = next(pairs, None) is None
+    if empty:  # datasets refuses to build a dataset from no rows; the caller says what is wrong
+        return datasets.Dataset.from_dict({"src": [], "tgt": []}, features=FEATURES)
     try:
         return datasets.Dataset.from_generator(
             generator, gen_kwargs=kwargs, features=FEATURES, cache_dir=str(cache_dir)

@@ -69,6 +69,16 @@ def train_tokenizer(ds: datasets.Dataset, cfg: TokenizerConfig, out_dir: Path) -
         _train_one(ds, ("tgt",), cfg, out_dir / TGT)
 
 
+def _load(path: Path) -> spm.SentencePieceProcessor:
+    try:
+        return spm.SentencePieceProcessor(model_file=str(path))
+    except (RuntimeError, OSError):  # sentencepiece: "could not parse ModelProto"
+        raise NMTError(
+            f"{path} is not a sentencepiece model (damaged?); copy it again from the run or "
+            "the prepared data"
+        ) from None
+
+
 class Tokenizer:
     """Source and target sentencepiece processors (the same one when the vocabulary is joint)."""
 
@@ -77,12 +87,8 @@ class Tokenizer:
         for path in {self.src_model, self.tgt_model}:
             if not path.is_file():
                 raise NMTError(f"tokenizer model not found: {path}; run `nmt prepare` first")
-        self.src = spm.SentencePieceProcessor(model_file=str(self.src_model))
-        self.tgt = (
-            self.src
-            if self.src_model == self.tgt_model
-            else spm.SentencePieceProcessor(model_file=str(self.tgt_model))
-        )
+        self.src = _load(self.src_model)
+        self.tgt = self.src if self.src_model == self.tgt_model else _load(self.tgt_model)
 
     @classmethod
     def from_dir(cls, directory: Path) -> Tokenizer:

@@ -40,10 +40,10 @@ class TransformerConfig:
     tie_embeddings: bool = True  # ties source, target and output embeddings (joint vocabulary)
 
     def __post_init__(self) -> None:
-        if self.d_model % self.heads != 0:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads})")
         if min(self.d_model, self.heads, self.enc_layers, self.dec_layers, self.ffn_dim) < 1:
             raise ValueError("dimensions and layer counts must be >= 1")
+        if self.d_model % self.heads != 0:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads})")
         if not all(
             0.0 <= p < 1.0 for p in (self.dropout, self.attn_dropout, self.activation_dropout)
         ):
