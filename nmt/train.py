@@ -514,7 +514,11 @@ def train(
                 grad_norm = float(
                     torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_norm or float("inf"))
                 )
-                finite = math.isfinite(loss_sum) and math.isfinite(grad_norm)
+                # fp16: inf gradients are the scaler's business (it skips the step and lowers
+                # its scale); only a non-finite loss counts towards train.max_nonfinite.
+                finite = math.isfinite(loss_sum) and (
+                    scaler.is_enabled() or math.isfinite(grad_norm)
+                )
                 if scaler.is_enabled():
                     scale_before = scaler.get_scale()
                     scaler.step(optimizer)

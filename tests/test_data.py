@@ -715,6 +715,24 @@ def test_changing_a_text_input_invalidates_the_cache(tmp_path, corpus):
     assert third.split("train").texts("tgt")[-1] == "Noch ein Satz."
 
 
+@pytest.mark.parametrize("builder", [build_hub_saved, build_hub_parquet])
+def test_changing_a_local_hub_dataset_invalidates_the_cache(builder, tmp_path, corpus, m30k):
+    data, _ = builder(tmp_path, corpus, m30k, None)
+    cfg = make_cfg(data)
+    first = prepare(cfg)
+    assert prepare(cfg).reused
+    de = [t.replace("Mann", "Frau") for t in corpus["valid"]["de"]]
+    assert de != corpus["valid"]["de"]
+    changed = {**corpus, "valid": {**corpus["valid"], "de": de}}
+    shutil.rmtree(tmp_path / ("saved" if builder is build_hub_saved else "pq"))
+    builder(tmp_path, changed, m30k, None)
+    written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    second = prepare(cfg)
+    assert not second.reused and second.dir != first.dir
+    assert second.split("valid").texts("tgt") == strip_all(de)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == written  # untouched
+
+
 # -- batching --------------------------------------------------------------------------------
 
 

@@ -74,3 +74,23 @@ def test_cuda_fp16_scaler_skips_non_finite_steps(tmp_path, monkeypatch):
     result = train(cfg, run)
     assert result.progress.skipped_steps >= 3
     assert result.stop_reason.startswith("stopped: the loss was not finite")
+
+
+@cuda
+def test_cuda_fp16_overflowing_gradients_do_not_count_as_non_finite_losses(tmp_path, monkeypatch):
+    """Gradient overflow is routine while the scaler calibrates; it skips those steps itself.
+    Only a non-finite loss counts towards train.max_nonfinite."""
+    import nmt.train as trainer
+
+    monkeypatch.setattr(
+        trainer.torch.nn.utils, "clip_grad_norm_", lambda *a, **k: torch.tensor(float("inf"))
+    )
+    cfg, run = _tiny(
+        tmp_path,
+        "train.device=cuda",
+        "train.precision=fp16",
+        "train.max_nonfinite=3",
+        "train.max_steps=6",
+    )
+    result = train(cfg, run)
+    assert result.stop_reason == "reached train.max_steps=6"

@@ -80,6 +80,10 @@ def _input_files(cfg: DataConfig) -> list[Path]:
             if not f.is_file():
                 raise NMTError(f"file not found: {f} (check data.train/valid/test in the recipe)")
         return files
+    if cfg.source == "hub" and cfg.hub_name and Path(cfg.hub_name).is_dir():
+        # a local dataset (save_to_disk, or data files): prepared again when any file changes
+        files = Path(cfg.hub_name).rglob("*")  # (datasets' cache-*.arrow are not data)
+        return sorted(p for p in files if p.is_file() and not p.name.startswith("cache-"))
     return []
 
 

@@ -339,10 +339,12 @@ def load_split(cfg: DataConfig, split: str, work_dir: Path) -> datasets.Dataset:
         generator = _tsv_pairs if cfg.source == "tsv" else _jsonl_pairs
         kwargs = {"path": str(path), "src_field": src_field, "tgt_field": tgt_field}
         return _from_generator(generator, {**kwargs, "fingerprint": _fingerprint(path)}, cache)
-    return _load_hub(cfg, split, src_field, tgt_field)
+    return _load_hub(cfg, split, src_field, tgt_field, cache)
 
 
-def _load_hub(cfg: DataConfig, split: str, src_field: str, tgt_field: str) -> datasets.Dataset:
+def _load_hub(
+    cfg: DataConfig, split: str, src_field: str, tgt_field: str, cache: Path
+) -> datasets.Dataset:
     name = cfg.hub_name or ""
     try:
         if (Path(name) / "dataset_dict.json").is_file():  # saved with DatasetDict.save_to_disk
@@ -368,7 +370,14 @@ def _load_hub(cfg: DataConfig, split: str, src_field: str, tgt_field: str) -> da
             raise NMTError(f"dataset {name}: translation has no language {missing[0]!r}")
         return {"src": [r[src_field] for r in rows], "tgt": [r[tgt_field] for r in rows]}
 
-    try:
-        return ds.map(pick, batched=True, remove_columns=ds.column_names, features=FEATURES)
+    cache.mkdir(parents=True, exist_ok=True)
+    try:  # written to our cache, never beside a local dataset's own files
+        return ds.map(
+            pick,
+            batched=True,
+            remove_columns=ds.column_names,
+            features=FEATURES,
+            cache_file_name=str(cache / f"hub-{split}.arrow"),
+        )
     except Exception as e:  # datasets wraps errors raised inside the map function
         raise _user_error(e) from None
