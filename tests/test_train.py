@@ -441,17 +441,21 @@ def test_exact_resume_after_sigkill(tmp_path):
     assert logged("killed") == logged("ref")  # no step logged twice, same losses
 
 
+# Train until a signal comes, with a step checkpoint every 5 steps to wait for.
+UNTIL_SIGNALLED = [
+    "--set",
+    "train.max_steps=100000",
+    "--set",
+    "train.save_every=5",
+    "--set",
+    "train.valid_every=100000",
+]
+
+
 def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
     recipe = str(TINY / "transformer.yaml")
     run_dir = tmp_path / "term"
-    sets = [
-        "--set",
-        "train.max_steps=100000",
-        "--set",
-        "train.save_every=5",
-        "--set",
-        "train.valid_every=100000",
-    ]
+    sets = UNTIL_SIGNALLED
     proc = start_cli("train", recipe, "--run-dir", str(run_dir), *sets)
     _wait_for(run_dir / "checkpoints" / "step-5.pt", proc)
     proc.send_signal(signal.SIGTERM)
@@ -552,14 +556,7 @@ def test_a_signal_on_every_rank_is_an_interruption(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     run_dir = tmp_path / "ddp-term"
-    sets = [
-        "--set",
-        "train.max_steps=100000",
-        "--set",
-        "train.save_every=5",
-        "--set",
-        "train.valid_every=100000",
-    ]
+    sets = UNTIL_SIGNALLED
     env = {
         **os.environ,
         "COLUMNS": "400",

@@ -598,19 +598,8 @@ def test_evaluate_empty_files_and_bootstrap_samples(files, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("", encoding="utf-8")
     assert "nothing to score" in one_line_error(nmt_cli("evaluate", "--hyp", empty, "--ref", empty))
-    message = one_line_error(
-        nmt_cli(
-            "evaluate",
-            "--hyp",
-            paths["hyp"],
-            "--ref",
-            paths["ref"],
-            "--compare-hyp",
-            paths["other"],
-            "--bootstrap-samples",
-            "0",
-        )
-    )
+    scored = [f"--hyp={paths['hyp']}", f"--ref={paths['ref']}", f"--compare-hyp={paths['other']}"]
+    message = one_line_error(nmt_cli("evaluate", *scored, "--bootstrap-samples=0"))
     assert "--bootstrap-samples must be >= 1" in message
 
 
