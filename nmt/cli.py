@@ -209,8 +209,7 @@ def train(
 ) -> None:
     """Train the recipe's model (prepares the data first when it is missing or stale)."""
     from nmt import checkpoint
-    from nmt.device import resolve_device, resolve_precision
-    from nmt.train import check_run_dir
+    from nmt.train import Progress, check_run_dir, nothing_to_train, preflight, spent_budget
     from nmt.train import train as run_train
 
     cfg = _load_config(recipe, sets)
@@ -223,9 +222,12 @@ def train(
         saved = run_dir / "config.yaml"
         if saved.is_file():  # the run's own config, with this invocation's overrides on top
             cfg = config.load(saved, sets)
-        checkpoint.load(last_path)  # a damaged last.pt fails here, before the run is touched
-    # Device and precision problems fail now, not after data preparation.
-    resolve_precision(cfg.train.precision, resolve_device(cfg.train.device))
+        # A damaged last.pt fails here, before the run is touched; a spent budget ends here.
+        spent = spent_budget(Progress(**checkpoint.load(last_path)["progress"]), cfg.train)
+        if spent:
+            err.print(nothing_to_train(run_dir, spent))
+            return
+    preflight(cfg)  # device, precision, BLEU tokenizer: fail now, not after preparing data
     if rank == 0:
         run_prepare(cfg, run_dir)
     reporter = RichReporter() if rank == 0 else None
@@ -295,6 +297,10 @@ def translate(
 
     if sample and ((beam or 1) > 1 or (nbest or 1) > 1):
         raise NMTError("--sample draws one translation per sentence; drop --beam and --nbest")
+    if not sample and (temperature != 1.0 or top_k != 0 or top_p != 1.0):
+        raise NMTError("--temperature, --top-k and --top-p shape sampling: add --sample")
+    if output is not None:
+        _check_output(output, input)
     dev = _decode_device(device)
     loaded = load_model(run, dev)
     overrides = [
@@ -313,6 +319,8 @@ def translate(
     ]
     if beam is not None and nbest is None:
         overrides.append(f"decode.nbest={min(loaded.config.decode.nbest, beam)}")
+    if sample:  # one sample per sentence, whatever the recipe's n-best setting
+        overrides.append("decode.nbest=1")
     d = config.replace(loaded.config, overrides).decode
     prec = resolve_precision(d.precision, dev)
     opts = search_options(
@@ -367,14 +375,18 @@ def translate(
                 emit(lines, f)
 
 
-@contextlib.contextmanager
-def _replacing(path: Path, source: Path | None):
-    """A text file written beside `path` and moved over it once complete, so a failure leaves
-    `path` as it was (and no temporary file). `source` (the input) is never a target."""
+def _check_output(path: Path, source: Path | None) -> None:
     if source is not None and path.resolve() == source.resolve():
         raise NMTError(f"--output {path} is the --input file; write the translations elsewhere")
     if path.is_dir():
         raise NMTError(f"--output {path} is a directory; give a file name")
+
+
+@contextlib.contextmanager
+def _replacing(path: Path, source: Path | None):
+    """A text file written beside `path` and moved over it once complete, so a failure leaves
+    `path` as it was (and no temporary file). `source` (the input) is never a target."""
+    _check_output(path, source)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         f = open(tmp, "w", encoding="utf-8")  # noqa: SIM115

@@ -35,7 +35,7 @@ from nmt.evaluate import (
 from nmt.models.base import count_parameters
 from nmt.search import force_decode
 from nmt.special import EOS_ID
-from nmt.train import Reporter, read_metrics, train
+from nmt.train import Reporter, preflight, read_metrics, train
 
 LENGTH_BUCKETS = [(1, 10), (11, 15), (16, 20), (21, 25), (26, 10_000)]
 
@@ -61,6 +61,9 @@ def plan(recipes: list[Path], out: Path, sets: list[str], budget: float | None) 
         name = system_name(recipe)
         if name in names:
             name = f"{Path(recipe).parent.name}-{name}"
+        base, k = name, 2
+        while name in names:  # still taken: number it
+            name, k = f"{base}-{k}", k + 1
         names.add(name)
         digest = hashlib.sha256(cfg.to_yaml().encode()).hexdigest()[:8]
         systems.append(System(name, Path(recipe), cfg, out / "runs" / f"{name}-{digest}"))
@@ -68,6 +71,13 @@ def plan(recipes: list[Path], out: Path, sets: list[str], budget: float | None) 
     for s in systems[1:]:  # one decoding setup for every system
         s.cfg = config.Config(s.cfg.data, s.cfg.tokenizer, s.cfg.model, s.cfg.train, decode)
     return systems
+
+
+def _task(cfg: Config) -> tuple:
+    """What decides the test sets and their references: equal for every compared system."""
+    d = cfg.data
+    fields = (d.source, d.hub_name, d.hub_config, d.local_dir, d.src_field, d.tgt_field)
+    return (*fields, d.src, d.tgt, tuple(d.test), d.limit_test)
 
 
 def ensure_trained(
@@ -206,16 +216,19 @@ def compare(
         raise NMTError("give at least one recipe to compare")
     check_bootstrap_samples(bootstrap_samples)
     systems = plan(recipes, out, sets or [], budget)
-    data_keys = {s.cfg.data.src + s.cfg.data.tgt + str(s.cfg.data.test) for s in systems}
-    if len(data_keys) > 1:
+    if len({_task(s.cfg) for s in systems}) > 1:
         raise NMTError(
-            "recipes translate different directions or test sets; compare needs one task"
+            "recipes translate different directions or test sets (data: source, hub_name, "
+            "local_dir, src, tgt, test, limit_test); compare needs one task"
         )
     if not systems[0].cfg.data.test:
         raise NMTError(
             "the recipes name no test sets (data.test is empty); nmt compare scores the systems "
             "on them, so list at least one"
         )
+    for system in systems:
+        preflight(system.cfg)
+    bleu_metric(systems[0].cfg.data.tgt)  # the test sets are scored with BLEU in any case
     out.mkdir(parents=True, exist_ok=True)  # only once the setup is known to be sound
     for i, system in enumerate(systems, 1):
         say(f"[{i}/{len(systems)}] {system.name} ({arch_of(system.cfg.model)})")

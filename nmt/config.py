@@ -197,6 +197,11 @@ class DecodeConfig:
         _check(self.max_len_a >= 0 and self.max_len_b >= 1, "decode.max_len_b", "must be >= 1")
         _check(self.batch_tokens >= 16, "decode.batch_tokens", "must be >= 16")
         _check(self.min_len >= 0, "decode.min_len", "must be >= 0")
+        _check(
+            self.length_penalty >= 0,
+            "decode.length_penalty",
+            "must be >= 0 (beam search stops early on a bound that holds for alpha >= 0)",
+        )
         _check(self.no_repeat_ngram >= 0, "decode.no_repeat_ngram", "must be >= 0 (0 = off)")
 
 

@@ -16,14 +16,15 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
-    """auto (CUDA when available), cpu, cuda or cuda:N."""
+    """auto (CUDA when available), cpu, cuda, cuda:N or mps."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kind, _, index = name.partition(":")
-    if kind not in ("cpu", "cuda") or (index and not (kind == "cuda" and index.isdigit())):
-        raise NMTError(f"unknown device {name!r}; choose auto, cpu, cuda or cuda:N")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise NMTError(f"device {name} asked for, but no CUDA device is available; use cpu or auto")
+    if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and index.isdigit())):
+        raise NMTError(f"unknown device {name!r}; choose auto, cpu, cuda, cuda:N or mps")
+    available = {"cpu": True, "cuda": torch.cuda.is_available()}
+    if not available.get(kind, torch.backends.mps.is_available()):
+        raise NMTError(f"device {name} asked for, but this machine has none; use cpu or auto")
     return torch.device(name)
 
 

@@ -12,6 +12,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
+def _save(fig, path) -> None:
+    """At exactly `path`: in the format its suffix names (png, svg, pdf...), else PNG."""
+    suffix = Path(path).suffix[1:].lower()
+    fmt = suffix if suffix in fig.canvas.get_supported_filetypes() else "png"
+    fig.savefig(path, dpi=120, format=fmt)
+
+
 def attention_heatmap(
     weights: np.ndarray, src: list[str], tgt: list[str], path: Path, title: str = "", ax: Any = None
 ) -> None:
@@ -28,7 +35,7 @@ def attention_heatmap(
         ax.set_title(title, fontsize=9)
     if own:
         fig.tight_layout()
-        fig.savefig(path, dpi=120, format="png")  # at exactly `path`, whatever its suffix
+        _save(fig, path)
         plt.close(fig)
 
 
@@ -52,7 +59,7 @@ def curves(
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120, format="png")  # at exactly `path`, whatever its suffix
+    _save(fig, path)
     plt.close(fig)
 
 
@@ -78,5 +85,5 @@ def grouped_bars(
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120, format="png")  # at exactly `path`, whatever its suffix
+    _save(fig, path)
     plt.close(fig)

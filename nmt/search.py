@@ -54,7 +54,7 @@ def length_penalty(length: Tensor | float, opts: SearchOptions) -> Tensor | floa
 
 
 def max_lengths(src_mask: Tensor, opts: SearchOptions) -> Tensor:
-    """[B] output length limit a * |x| + b (tokens, EOS included)."""
+    """[B] output length limit a * |x| + b (tokens, EOS included; |x| counts the source EOS)."""
     if opts.fixed_len is not None:
         return torch.full((src_mask.size(0),), opts.fixed_len + 1, device=src_mask.device)
     src_len = src_mask.sum(1).float()

@@ -30,7 +30,7 @@ from nmt.config import Config, TrainConfig, arch_of
 from nmt.data.batching import Batch, EncodedSplit, TokenBatches
 from nmt.data.prepare import Prepared, prepare
 from nmt.device import autocast, configure_host, resolve_device, resolve_precision
-from nmt.evaluate import score, translate_texts
+from nmt.evaluate import bleu_metric, score, translate_texts
 from nmt.models.base import Vocab, count_parameters
 from nmt.models.registry import build_model
 from nmt.special import PAD_ID
@@ -162,6 +162,22 @@ def spent_budget(progress: Progress, t: TrainConfig) -> str:
     return ""
 
 
+def nothing_to_train(run_dir: Path, spent: str) -> str:
+    """What to tell a user who resumes a run whose budget (or patience) is spent."""
+    key = "train.patience" if spent.startswith("early stopping") else spent.split()[1].split("=")[0]
+    return f"the run in {run_dir} has {spent} already; raise {key} with --set to train further"
+
+
+def preflight(cfg: Config) -> tuple[torch.device, str]:
+    """The checks that need no data: device, precision, and sacreBLEU's tokenizer for the target
+    language when training validates BLEU. Returns the device and the precision."""
+    device = resolve_device(cfg.train.device)
+    precision = resolve_precision(cfg.train.precision, device)
+    if cfg.train.valid_bleu:
+        bleu_metric(cfg.data.tgt)
+    return device, precision
+
+
 def better(metric: str, value: float, best: float | None) -> bool:
     if best is None:
         return True
@@ -282,7 +298,7 @@ def train(
     """Train `cfg` into `run_dir` (see the module docstring)."""
     reporter = reporter or NullReporter()
     t = cfg.train
-    device = resolve_device(t.device)
+    device, _ = preflight(cfg)
     rank, world = _distributed(device.type == "cuda")
     is_main = rank == 0
     ckpt_dir = run_dir / "checkpoints"
@@ -332,10 +348,7 @@ def train(
         spent = spent_budget(progress, t)
         if spent:  # nothing to do: report, touch nothing
             if is_main:
-                reporter.message(
-                    f"the run in {run_dir} has {spent} already; raise that budget with --set "
-                    "to train further"
-                )
+                reporter.message(nothing_to_train(run_dir, spent))
             progress.finished = progress.finished or spent
             return Result(run_dir, progress, spent)
         progress.finished = ""  # this invocation's budgets decide when the run is complete
@@ -356,12 +369,6 @@ def train(
     run_dir.mkdir(parents=True, exist_ok=True)
     if resume and is_main:
         _truncate_metrics(run_dir / "metrics.jsonl", progress.step)
-    closing = contextlib.ExitStack()  # closed when the loop ends, also on errors
-    file_log = _file_logger(run_dir, closing) if is_main else None
-    metrics = closing.enter_context(open(run_dir / "metrics.jsonl", "a")) if is_main else None
-    tb = _tensorboard(run_dir) if (is_main and t.tensorboard) else None
-    if tb:
-        closing.callback(tb.close)
     info = {
         "arch": arch,
         "params": n_params,
@@ -376,10 +383,6 @@ def train(
         "resumed_from": progress.step if resume else None,
         "padding": batches.padding_fraction(progress.epoch),
     }
-    if file_log:
-        file_log.info("resolved config:\n%s", cfg.to_yaml())
-        file_log.info("start: %s", json.dumps(info))
-        file_log.info("data: %s", json.dumps(prepared.summary))
     if is_main:
         reporter.start(info)
 
@@ -489,7 +492,16 @@ def train(
     nonfinite = 0
     model.train()
     log_tokens, log_loss, log_time = 0, 0.0, time.perf_counter()
-    with closing, _Signals() as signals:
+    with contextlib.ExitStack() as closing, _Signals() as signals:  # closes logs, also on errors
+        file_log = _file_logger(run_dir, closing) if is_main else None
+        metrics = closing.enter_context(open(run_dir / "metrics.jsonl", "a")) if is_main else None
+        tb = _tensorboard(run_dir) if (is_main and t.tensorboard) else None
+        if tb:
+            closing.callback(tb.close)
+        if file_log:
+            file_log.info("resolved config:\n%s", cfg.to_yaml())
+            file_log.info("start: %s", json.dumps(info))
+            file_log.info("data: %s", json.dumps(prepared.summary))
         while not stop_reason:
             epoch_batches = batches.epoch(progress.epoch, start=progress.batch_in_epoch)
             if not epoch_batches:  # a checkpoint saved at the very end of an epoch
@@ -514,13 +526,14 @@ def train(
                 grad_norm = float(
                     torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_norm or float("inf"))
                 )
-                # fp16: inf gradients are the scaler's business (it skips the step and lowers
-                # its scale); only a non-finite loss counts towards train.max_nonfinite.
+                # fp16: overflowing gradients are the scaler's business (it skips the step and
+                # halves its scale) as long as there is scale left to lower; at a scale <= 1
+                # they count towards train.max_nonfinite like a non-finite loss.
+                scale_before = scaler.get_scale() if scaler.is_enabled() else 1.0
                 finite = math.isfinite(loss_sum) and (
-                    scaler.is_enabled() or math.isfinite(grad_norm)
+                    math.isfinite(grad_norm) or scale_before > 1.0
                 )
                 if scaler.is_enabled():
-                    scale_before = scaler.get_scale()
                     scaler.step(optimizer)
                     scaler.update()
                     if scaler.get_scale() < scale_before:

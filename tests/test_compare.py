@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = [
     str(REPO / "recipes" / "tiny" / f"{a}.yaml")
@@ -153,3 +155,25 @@ def test_compare_refuses_a_file_as_out_and_bad_bootstrap_samples(tmp_path):
     res = run("--out", str(tmp_path / "cmp"), "--bootstrap-samples", "0")
     assert res.returncode == 2 and "--bootstrap-samples must be >= 1" in res.stderr
     assert not (tmp_path / "cmp").exists()
+
+
+def test_system_names_stay_unique_and_tasks_must_match(tmp_path):
+    from nmt import NMTError
+    from nmt.compare import compare as run_compare
+    from nmt.compare import plan
+
+    recipe = Path(RECIPES[2])
+    copies = []
+    for folder in ("a/tiny", "b/tiny"):
+        (tmp_path / folder).mkdir(parents=True)
+        copies.append(tmp_path / folder / recipe.name)
+        copies[-1].write_text(recipe.read_text())
+    names = [s.name for s in plan([recipe, *copies], tmp_path / "out", [], None)]
+    assert names == ["transformer", "tiny-transformer", "tiny-transformer-2"]
+    other = tmp_path / "fewer.yaml"  # the same test split, fewer of its sentences
+    text = recipe.read_text()
+    assert "  limit_valid: 100\n" in text
+    other.write_text(text.replace("  limit_valid: 100\n", "  limit_valid: 100\n  limit_test: 50\n"))
+    with pytest.raises(NMTError, match="different directions or test sets"):
+        run_compare([recipe, other], tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # refused before anything was trained

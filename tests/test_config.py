@@ -195,6 +195,7 @@ INVALID_VALUES = [
     ({"decode": {"beam": 0}}, "decode.beam"),
     ({"decode": {"no_repeat_ngram": -1}}, "decode.no_repeat_ngram"),
     ({"decode": {"min_len": -1}}, "decode.min_len"),
+    ({"decode": {"length_penalty": -0.5}}, "decode.length_penalty"),
 ]
 
 

@@ -26,7 +26,7 @@ import torch
 from nmt import NMTError
 from nmt.config import Config, from_dict
 from nmt.data.batching import EncodedSplit, TokenBatches
-from nmt.data.prepare import Prepared, prepare, prepared_dir, split_names
+from nmt.data.prepare import Prepared, attach, prepare, prepared_dir, split_names
 from nmt.data.sources import MULTI30K, corpus_file, load_split
 from nmt.data.tokenizer import JOINT, SRC, TGT
 from nmt.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID
@@ -366,8 +366,8 @@ def test_source_specific_errors_name_the_problem(
 def test_pipeline_errors_name_the_problem(tmp_path):
     write_lines(tmp_path / "train.en", ["A black dog runs.", "Two cats sleep."])
     write_lines(tmp_path / "train.de", ["Ein schwarzer Hund rennt.", "Zwei Katzen schlafen."])
-    write_lines(tmp_path / "empty.en", [])
-    write_lines(tmp_path / "empty.de", [])
+    write_lines(tmp_path / "blank.en", [])
+    write_lines(tmp_path / "blank.de", [])
     text = {"source": "text", "train": str(tmp_path / "train"), "valid": str(tmp_path / "train")}
     cases = [
         ({**text, "test": [], "max_len": 1}, ["empty after filtering", "data.max_len=1"]),
@@ -375,8 +375,11 @@ def test_pipeline_errors_name_the_problem(tmp_path):
         ({"test": ["test_2018_flickr"]}, ["unknown split 'test_2018_flickr'", "test_2016_flickr"]),
         ({**text, "valid": str(tmp_path / "nope")}, ["file not found", str(tmp_path / "nope.en")]),
         # an empty valid or test split would only fail at the first validation or at scoring
-        ({**text, "test": [], "valid": str(tmp_path / "empty")}, ["valid split", "no sentence"]),
-        ({**text, "test": [str(tmp_path / "empty")]}, ["empty split", "holds no sentence pairs"]),
+        (
+            {**text, "test": [], "valid": str(tmp_path / "blank")},
+            ["the valid split", "no sentence"],
+        ),
+        ({**text, "test": [str(tmp_path / "blank")]}, ["the blank split", "no sentence pairs"]),
     ]
     for data, fragments in cases:
         with pytest.raises(NMTError) as info:
@@ -802,8 +805,11 @@ def test_small_corpus_is_split_so_every_rank_gets_a_batch():
         ]
         assert {len(x) for x in per_rank} == {1}
         assert np.array_equal(np.sort(_all_indices([b for x in per_rank for b in x])), np.arange(5))
-    with pytest.raises(ValueError):
+    with pytest.raises(NMTError, match="5 examples cannot be shared by 6 ranks"):
         TokenBatches(lens, lens, 1000, seed=0, world=6)
+    # Every batch is one example (the budget) and 3 cannot be split over 2 ranks.
+    with pytest.raises(NMTError, match="raise train.batch_tokens"):
+        TokenBatches(np.full(3, 5), np.full(3, 5), 8, seed=0, world=2).epoch(0)
 
 
 def test_an_example_over_the_budget_gets_a_batch_of_its_own():
@@ -1047,3 +1053,23 @@ def test_prepare_cli_reports_bad_input_in_one_line(cli_runs, name):
 
 def test_prepare_cli_prints_paths_with_brackets_verbatim(cli_runs):
     _check_cli_case(*cli_runs["path-with-brackets"])
+
+
+def test_tsv_with_a_byte_order_mark_and_blank_lines(tmp_path, corpus, m30k):
+    data, expected = build_tsv(tmp_path, corpus, m30k, None)
+    for split in ("train", "valid", "test"):
+        path = tmp_path / f"{split}.tsv"
+        path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes() + b"\n\n")  # BOM; blank lines
+    prepared = prepare(make_cfg(data))
+    assert prepared.split("valid").texts("tgt") == strip_all(expected["valid"]["de"])
+
+
+def test_attach_removes_tokenizer_models_of_an_earlier_setting(tmp_path):
+    cfg = make_cfg({"limit_train": N_TRAIN, "limit_valid": N_VALID, "test": []})
+    run = tmp_path / "run"
+    attach(prepare(cfg), cfg, run)
+    assert sorted(p.name for p in (run / "tokenizer").iterdir()) == ["spm.model"]
+    separate = from_dict({**cfg.to_dict(), "tokenizer": {"vocab_size": 200, "joint": False}})
+    attach(prepare(separate), separate, run)  # no checkpoint yet: the run may change its mind
+    names = sorted(p.name for p in (run / "tokenizer").iterdir())
+    assert "spm.model" not in names and len(names) == 2

@@ -308,6 +308,10 @@ def test_early_stopping_with_patience(tmp_path):
     assert result.stop_reason.startswith("early stopping")
     assert result.progress.step == 15 and result.progress.best_step == 5
     assert (tmp_path / "early" / "checkpoints" / "best.pt").is_file()
+    # Resumed with the same patience: nothing to train (a larger max_steps does not help).
+    more = config.replace(cfg, ["train.max_steps=200"])
+    again = train(more, tmp_path / "early", resume=True)
+    assert again.stop_reason == result.stop_reason and again.progress.step == 15
 
 
 def test_resuming_a_finished_run_trains_only_under_a_larger_budget(tmp_path):
@@ -684,3 +688,65 @@ def test_resume_from_a_damaged_checkpoint_leaves_the_run_as_it_was(tmp_path):
     res = run_cli("train", recipe, "--run-dir", str(run), "--resume", "--set", "train.max_steps=6")
     assert res.returncode == 2 and str(last) in res.stderr and "Traceback" not in res.stderr
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_resume_at_an_epoch_boundary_with_accumulation_is_exact(tmp_path):
+    """Stopped exactly at the end of an epoch (where the epoch counter advances) with
+    train.accumulate=2 and an odd number of batches, then resumed: bitwise equal weights."""
+    sets = (
+        "data.limit_train=300",
+        "train.accumulate=2",
+        "train.batch_tokens=750",
+        "train.max_steps=null",
+        "train.max_epochs=2",
+        "train.valid_bleu=false",
+        "train.valid_every=1000",
+        "train.precision=fp32",
+    )
+    cfg = tiny("transformer", *sets)
+    split = prepare(cfg).split("train")
+    n = len(TokenBatches(split.src_lens, split.tgt_lens, 750, cfg.train.seed).epoch(0))
+    assert n % 2 == 1, n  # the epoch's last step has a single batch
+    per_epoch = (n + 1) // 2
+    whole = train_api(cfg, tmp_path / "whole")
+    assert whole.progress.step == 2 * per_epoch
+    first = train_api(tiny("transformer", *sets, f"train.max_steps={per_epoch}"), tmp_path / "cut")
+    assert (first.progress.epoch, first.progress.batch_in_epoch) == (1, 0)
+    rest = train(cfg, tmp_path / "cut", resume=True)
+    assert rest.progress.step == 2 * per_epoch
+    a, b = final_params(tmp_path / "whole"), final_params(tmp_path / "cut")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_cli_with_a_spent_budget_changes_nothing(tmp_path):
+    recipe = str(TINY / "transformer.yaml")
+    run = tmp_path / "run"
+    assert (
+        run_cli("train", recipe, "--run-dir", str(run), "--set", "train.max_steps=3").returncode
+        == 0
+    )
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    res = run_cli("train", recipe, "--run-dir", str(run), "--resume", "--set", "train.max_steps=2")
+    assert res.returncode == 0, res.stderr
+    assert "has reached train.max_steps=2 already; raise train.max_steps" in res.stderr
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # config.yaml too
+
+
+def test_bleu_tokenizer_extras_are_checked_before_any_work(tmp_path):
+    pytest.importorskip("sacrebleu")
+    try:
+        import MeCab  # noqa: F401
+
+        pytest.skip("sacreBLEU's Japanese extras are installed")
+    except ImportError:
+        pass
+    res = run_cli(
+        "train",
+        str(TINY / "transformer.yaml"),
+        "--run-dir",
+        str(tmp_path / "ja"),
+        "--set",
+        "data.tgt=ja",
+    )
+    assert res.returncode == 2 and "pip install 'sacrebleu[ja]'" in res.stderr
+    assert not (tmp_path / "ja").exists()

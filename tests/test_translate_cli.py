@@ -557,6 +557,8 @@ def test_translate_input_that_is_not_utf8(run, tmp_path):
     [
         (("--sample", "--beam", "4"), "drop --beam and --nbest"),
         (("--sample", "--nbest", "2"), "drop --beam and --nbest"),
+        (("--temperature", "0.5"), "add --sample"),
+        (("--length-penalty", "-0.5"), "decode.length_penalty"),
         (("--no-repeat-ngram", "-1"), "decode.no_repeat_ngram"),
         (("--device", "tpu"), "unknown device 'tpu'"),
     ],
@@ -587,10 +589,13 @@ def test_damaged_tokenizer(run, tmp_path):
 
 
 def test_attention_plot_is_written_at_the_path_given(run, english, tmp_path):
-    target = tmp_path / "heatmap"  # no .png suffix: matplotlib would have added one
+    target = tmp_path / "heatmap"  # no suffix: PNG, and matplotlib must not add ".png"
     ok(nmt_cli("translate", run, "--attention-plot", target, stdin=english[0] + "\n"))
     assert target.read_bytes()[:8] == PNG_MAGIC
     assert not (tmp_path / "heatmap.png").exists()
+    svg = tmp_path / "heatmap.svg"  # a suffix matplotlib knows: that format
+    ok(nmt_cli("translate", run, "--attention-plot", svg, stdin=english[0] + "\n"))
+    assert b"<svg" in svg.read_bytes()[:2000]
 
 
 def test_evaluate_empty_files_and_bootstrap_samples(files, tmp_path):
@@ -607,4 +612,4 @@ def test_average_refuses_bad_counts_and_directory_outputs(run, tmp_path):
     assert "--last must be >= 1" in one_line_error(nmt_cli("average", run, "--last", "-1"))
     message = one_line_error(nmt_cli("average", run, "--last", "2", "--output", tmp_path))
     assert "is a directory" in message
-    assert not (run / "checkpoints" / "averaged.pt").exists()
+    assert list(tmp_path.iterdir()) == []  # nothing written into it

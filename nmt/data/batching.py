@@ -17,6 +17,7 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
+from nmt import NMTError
 from nmt.special import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -143,7 +144,10 @@ class TokenBatches:
         self.batch_tokens = batch_tokens
         self.seed, self.shuffle, self.rank, self.world = seed, shuffle, rank, world
         if len(self.costs) < world:
-            raise ValueError(f"{len(self.costs)} examples cannot be shared by {world} ranks")
+            raise NMTError(
+                f"{len(self.costs)} examples cannot be shared by {world} ranks (every rank needs "
+                "one); use fewer processes"
+            )
 
     def all_batches(self, epoch: int) -> list[np.ndarray]:
         """The whole epoch's batches (all ranks) in the order they are consumed."""
@@ -159,8 +163,9 @@ class TokenBatches:
             largest = max(range(len(batches)), key=lambda k: len(batches[k]))
             half = len(batches[largest]) // 2
             if half == 0:
-                raise ValueError(
-                    f"{len(self.costs)} examples cannot be shared by {self.world} ranks"
+                raise NMTError(
+                    f"{len(batches)} batches of one example each cannot be shared evenly by "
+                    f"{self.world} ranks; raise train.batch_tokens or use fewer processes"
                 )
             batches[largest : largest + 1] = [batches[largest][:half], batches[largest][half:]]
         if self.shuffle:

@@ -243,8 +243,12 @@ def attach(prepared: Prepared, cfg: Config, run_dir: Path) -> None:
     write_atomic(config_path, text)
     tok_dir = run_dir / "tokenizer"
     tok_dir.mkdir(exist_ok=True)
-    for f in prepared.dir.glob("spm*.model"):
-        write_atomic(tok_dir / f.name, f.read_bytes())
+    models = {f.name: f for f in prepared.dir.glob("spm*.model")}
+    for stale in tok_dir.glob("spm*.model"):  # from an earlier tokenizer setting of this run
+        if stale.name not in models:
+            stale.unlink()
+    for name, f in models.items():
+        write_atomic(tok_dir / name, f.read_bytes())
 
 
 # Keys a run may change when it is resumed: budgets, logging cadence, decoding.

@@ -131,7 +131,7 @@ def _tsv_pairs(path: str, src_field: str, tgt_field: str, fingerprint: str) -> I
     header = next(lines, None)
     if header is None:
         return
-    names = header.split("\t")
+    names = header.removeprefix("\ufeff").split("\t")  # a byte-order mark is not a name
     for field_name in (src_field, tgt_field):
         if field_name not in names:
             raise NMTError(
@@ -140,6 +140,8 @@ def _tsv_pairs(path: str, src_field: str, tgt_field: str, fingerprint: str) -> I
             )
     i, j = names.index(src_field), names.index(tgt_field)
     for number, line in enumerate(lines, start=2):
+        if not line.strip():  # blank lines (a trailing one, say) are skipped, as in jsonl
+            continue
         cols = line.split("\t")
         if len(cols) != len(names):
             raise NMTError(

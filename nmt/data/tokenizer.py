@@ -32,6 +32,7 @@ def _train_one(
     ds: datasets.Dataset, columns: tuple[str, ...], cfg: TokenizerConfig, out: Path
 ) -> None:
     prefix = str(out.with_suffix(""))
+    spm.set_random_generator_seed(0)  # sampling of input_sentence_size lines: reproducible
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=_sentences(ds, columns),
