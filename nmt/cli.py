@@ -560,13 +560,9 @@ def compare(
 ) -> None:
     """Train (or reuse) each recipe, evaluate all on the same test sets, write report + plots."""
     from nmt.compare import compare as run_compare
-    from nmt.evaluate import check_bootstrap_samples
 
     for recipe in recipes:
         _load_config(recipe, sets)  # fail fast on a bad recipe before any training
-    check_bootstrap_samples(bootstrap_samples)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise NMTError(f"--out {out_dir} is a file; give a directory for the report")
     report = run_compare(
         recipes,
         out_dir,

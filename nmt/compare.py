@@ -215,6 +215,8 @@ def compare(
     if not recipes:
         raise NMTError("give at least one recipe to compare")
     check_bootstrap_samples(bootstrap_samples)
+    if out.exists() and not out.is_dir():
+        raise NMTError(f"--out {out} is a file; give a directory for the report")
     systems = plan(recipes, out, sets or [], budget)
     if len({_task(s.cfg) for s in systems}) > 1:
         raise NMTError(
