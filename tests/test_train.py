@@ -675,19 +675,25 @@ def test_train_cli_fails_before_touching_anything(tmp_path):
     assert res.stderr.strip().count("\n") == 0 and not (tmp_path / "fp16").exists()
 
 
+def three_step_cli_run(tmp_path: Path) -> tuple[str, Path]:
+    recipe, run = str(TINY / "transformer.yaml"), tmp_path / "run"
+    res = run_cli("train", recipe, "--run-dir", str(run), "--set", "train.max_steps=3")
+    assert res.returncode == 0, res.stderr
+    return recipe, run
+
+
+def files_of(run: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+
 def test_resume_from_a_damaged_checkpoint_leaves_the_run_as_it_was(tmp_path):
-    recipe = str(TINY / "transformer.yaml")
-    run = tmp_path / "run"
-    assert (
-        run_cli("train", recipe, "--run-dir", str(run), "--set", "train.max_steps=3").returncode
-        == 0
-    )
+    recipe, run = three_step_cli_run(tmp_path)
     last = run / "checkpoints" / "last.pt"
     last.write_bytes(last.read_bytes()[:5000])
-    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    before = files_of(run)
     res = run_cli("train", recipe, "--run-dir", str(run), "--resume", "--set", "train.max_steps=6")
     assert res.returncode == 2 and str(last) in res.stderr and "Traceback" not in res.stderr
-    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert files_of(run) == before
 
 
 def test_resume_at_an_epoch_boundary_with_accumulation_is_exact(tmp_path):
@@ -719,17 +725,12 @@ def test_resume_at_an_epoch_boundary_with_accumulation_is_exact(tmp_path):
 
 
 def test_resume_cli_with_a_spent_budget_changes_nothing(tmp_path):
-    recipe = str(TINY / "transformer.yaml")
-    run = tmp_path / "run"
-    assert (
-        run_cli("train", recipe, "--run-dir", str(run), "--set", "train.max_steps=3").returncode
-        == 0
-    )
-    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    recipe, run = three_step_cli_run(tmp_path)
+    before = files_of(run)
     res = run_cli("train", recipe, "--run-dir", str(run), "--resume", "--set", "train.max_steps=2")
     assert res.returncode == 0, res.stderr
     assert "has reached train.max_steps=2 already; raise train.max_steps" in res.stderr
-    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # config.yaml too
+    assert files_of(run) == before  # config.yaml too
 
 
 def test_bleu_tokenizer_extras_are_checked_before_any_work(tmp_path):
