@@ -371,7 +371,7 @@ def translate(
         if output is None:
             emit(lines, sys.stdout)
         else:
-            with _replacing(output, input) as f:
+            with _replacing(output) as f:
                 emit(lines, f)
 
 
@@ -383,10 +383,9 @@ def _check_output(path: Path, source: Path | None) -> None:
 
 
 @contextlib.contextmanager
-def _replacing(path: Path, source: Path | None):
+def _replacing(path: Path):
     """A text file written beside `path` and moved over it once complete, so a failure leaves
-    `path` as it was (and no temporary file). `source` (the input) is never a target."""
-    _check_output(path, source)
+    `path` as it was (and no temporary file). `_check_output` has vetted `path`."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         f = open(tmp, "w", encoding="utf-8")  # noqa: SIM115

@@ -114,13 +114,11 @@ def ensure_trained(
 def _bucket_bleu(
     hyps: list[str], refs: list[str], srcs: list[str], tgt_lang: str
 ) -> list[float | None]:
-    out = []
+    out, bleu = [], bleu_metric(tgt_lang)
     for lo, hi in LENGTH_BUCKETS:
         idx = [i for i, s in enumerate(srcs) if lo <= len(s.split()) <= hi]
         out.append(
-            bleu_metric(tgt_lang)
-            .corpus_score([hyps[i] for i in idx], [[refs[i] for i in idx]])
-            .score
+            bleu.corpus_score([hyps[i] for i in idx], [[refs[i] for i in idx]]).score
             if idx
             else None
         )
