@@ -16,6 +16,7 @@ from nmt.config import Config, DecodeConfig, from_dict
 from nmt.data.tokenizer import Tokenizer
 from nmt.device import autocast, configure_host
 from nmt.models.base import Vocab
+from nmt.models.layers import packed_weights
 from nmt.models.registry import build_model
 from nmt.search import Hypothesis, SearchOptions, search
 from nmt.special import EOS_ID, PAD_ID
@@ -89,7 +90,8 @@ def decode_ids(
     results: list[list[Hypothesis]] = [[] for _ in sources]
     start = 0
     model.eval()
-    with torch.no_grad(), autocast(device, precision):
+    # Weights packed once for the whole input, not once per batch (see search.decoding).
+    with torch.no_grad(), autocast(device, precision), packed_weights(model):
         while start < len(order):
             # Sentences sorted by length: grow the batch while it fits the token budget.
             end = start + 1

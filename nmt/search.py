@@ -7,17 +7,33 @@ sentences finish. The search knows nothing about architectures.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 from torch import Tensor
 
 from nmt.models.base import State, TranslationModel, reorder_state
+from nmt.models.layers import packed_weights
 from nmt.special import BOS_ID, EOS_ID, PAD_ID
 
 NEG = float("-inf")
+Fn = TypeVar("Fn", bound=Callable)
+
+
+def decoding(fn: Fn) -> Fn:
+    """Run a search function without autograd and with the model's weights packed for fast CPU
+    inference (`nmt.models.layers.packed_weights`): they are fixed while it decodes."""
+
+    @functools.wraps(fn)
+    def run(model, *args, **kwargs):
+        with torch.no_grad(), packed_weights(model):
+            return fn(model, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -110,7 +126,7 @@ def _start(model: TranslationModel, src: Tensor, src_mask: Tensor) -> State:
     return model.init_state(model.encode(src, src_mask))
 
 
-@torch.no_grad()
+@decoding
 def greedy(
     model: TranslationModel, src: Tensor, src_mask: Tensor, opts: SearchOptions
 ) -> list[list[Hypothesis]]:
@@ -165,7 +181,7 @@ def _filter(logits: Tensor, opts: SearchOptions) -> Tensor:
     return logits
 
 
-@torch.no_grad()
+@decoding
 def beam_search(
     model: TranslationModel, src: Tensor, src_mask: Tensor, opts: SearchOptions
 ) -> list[list[Hypothesis]]:
@@ -266,7 +282,7 @@ def search(
     return beam_search(model, src, src_mask, opts)
 
 
-@torch.no_grad()
+@decoding
 def force_decode(
     model: TranslationModel, src: Tensor, src_mask: Tensor, tgt: list[int]
 ) -> tuple[list[float], Tensor | None]:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import io
 
 import pytest
 import torch
 
 from nmt.models.base import SOURCE_PREFIX, Vocab, count_parameters, reorder_state
-from nmt.models.layers import Dropout
+from nmt.models.layers import Dropout, Linear, packed_dtype, packed_weights
 from nmt.models.registry import ARCHITECTURES, build_model
 from nmt.models.rnn_attention import RNNAttentionConfig
 from nmt.models.seq2seq import Seq2SeqConfig
@@ -329,3 +331,53 @@ def test_cpu_dropout_rate_next_to_one_keeps_a_finite_scale():
     x = torch.ones(4096)
     y = Dropout(1 - 1e-6).train()(x)  # rounds to 65536/65536 dropped unless clamped
     assert torch.isfinite(y).all() and set(y.unique().tolist()) <= {0.0, 65536.0}
+
+
+def test_decoding_on_packed_weights_equals_the_autograd_path(variant):
+    """Inside packed_weights (decoding), CPU linear maps run on packed weights; decoding
+    steps and teacher forcing give the same logits as F.linear with autograd."""
+    model = make(variant)
+    src, mask, tgt = batch([5, 3, 7], [6, 6, 6])
+    full = model(src, mask, tgt).detach()
+    state = model.init_state(model.encode(src, mask))
+    steps = []
+    for t in range(tgt.size(1)):
+        out, state = model.step(tgt[:, t], state)
+        steps.append(out.logits.detach())
+    with torch.no_grad(), packed_weights(model):
+        torch.testing.assert_close(model(src, mask, tgt), full, atol=1e-5, rtol=1e-5)
+        state = model.init_state(model.encode(src, mask))
+        for t in range(tgt.size(1)):
+            out, state = model.step(tgt[:, t], state)
+            torch.testing.assert_close(out.logits, steps[t], atol=1e-5, rtol=1e-5)
+        if packed_dtype(src.float()) is not None:  # None: a torch without oneDNN
+            assert all(m._packed for m in model.modules() if isinstance(m, Linear))
+    assert all(m._packed is None for m in model.modules() if isinstance(m, Linear))
+    assert model.state_dict().keys() == make(variant).state_dict().keys()
+    copy.deepcopy(model)  # nothing opaque is left behind after decoding
+    torch.save(model, io.BytesIO())
+
+
+def test_packed_weights_last_for_their_scope_only():
+    torch.manual_seed(0)
+    layer = Linear(16, 24)
+    x = torch.randn(3, 5, 16)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.5, fused=True)
+
+    def check() -> None:
+        ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        torch.testing.assert_close(layer(x), ref)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16: exactly autocast's F.linear
+            assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+    for _ in range(2):
+        with torch.no_grad(), packed_weights(layer):
+            check()
+            with packed_weights(layer):  # nested scopes keep the outer scope's copies
+                check()
+            if packed_dtype(x) is not None:
+                assert set(layer._packed) >= {torch.float32}
+        assert layer._packed is None
+        # A fused optimizer step moves no version counter: only the scope guards the copies.
+        layer(x).square().sum().backward()
+        optimizer.step()

@@ -20,6 +20,7 @@ from nmt.models.layers import (
     RNN,
     Dropout,
     Embedding,
+    Linear,
     OutputProjection,
     RecurrentAttention,
     RNNEncoder,
@@ -72,14 +73,14 @@ class RNNAttention(nn.Module):
         super().__init__()
         self.encoder = RNNEncoder(src_vocab, emb_dim, enc_hidden, enc_layers, cell, True, dropout)
         mem_dim = self.encoder.out_dim
-        self.to_init = nn.Linear(mem_dim, dec_hidden * dec_layers)
+        self.to_init = Linear(mem_dim, dec_hidden * dec_layers)
         self.attention = RecurrentAttention(attention, dec_hidden, mem_dim, attn_dim)
         self.tgt_embed = Embedding(tgt_vocab, emb_dim)
         feed_dim = emb_dim if input_feed else 0
         self.decoder = RNN(
             cell, emb_dim + mem_dim + feed_dim, dec_hidden, dec_layers, False, dropout
         )
-        self.readout = nn.Linear(dec_hidden + mem_dim + emb_dim, emb_dim)
+        self.readout = Linear(dec_hidden + mem_dim + emb_dim, emb_dim)
         self.output = OutputProjection(
             emb_dim, tgt_vocab, self.tgt_embed if tie_embeddings else None
         )

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from nmt.models.base import State, StepOutput, source_state
-from nmt.models.layers import RNN, Dropout, Embedding, OutputProjection, RNNEncoder
+from nmt.models.layers import RNN, Dropout, Embedding, Linear, OutputProjection, RNNEncoder
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,11 @@ class Seq2Seq(nn.Module):
         self.encoder = RNNEncoder(
             src_vocab, emb_dim, hidden, enc_layers, cell, bidirectional, dropout
         )
-        self.to_context = nn.Linear(self.encoder.out_dim, hidden)  # final state -> c
-        self.to_init = nn.Linear(hidden, hidden * dec_layers)  # c -> s_0 for each layer
+        self.to_context = Linear(self.encoder.out_dim, hidden)  # final state -> c
+        self.to_init = Linear(hidden, hidden * dec_layers)  # c -> s_0 for each layer
         self.tgt_embed = Embedding(tgt_vocab, emb_dim)
         self.decoder = RNN(cell, emb_dim + hidden, hidden, dec_layers, False, dropout)
-        self.readout = nn.Linear(hidden + emb_dim + hidden, emb_dim)  # [s_t; y_{t-1}; c]
+        self.readout = Linear(hidden + emb_dim + hidden, emb_dim)  # [s_t; y_{t-1}; c]
         self.output = OutputProjection(
             emb_dim, tgt_vocab, self.tgt_embed if tie_embeddings else None
         )

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nmt.models.base import State, StepOutput, source_state
-from nmt.models.layers import Dropout, Embedding, OutputProjection, Positions
+from nmt.models.layers import Dropout, Embedding, Linear, OutputProjection, Positions
 
 
 @dataclass(frozen=True)
@@ -107,8 +107,8 @@ class SelfAttention(nn.Module):
 
     def __init__(self, dim: int, heads: int, attn_dropout: float) -> None:
         super().__init__()
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out = nn.Linear(dim, dim)
+        self.qkv = Linear(dim, 3 * dim)
+        self.out = Linear(dim, dim)
         self.heads = heads
         self.attn_dropout = attn_dropout
 
@@ -129,9 +129,9 @@ class CrossAttention(nn.Module):
 
     def __init__(self, dim: int, heads: int, attn_dropout: float) -> None:
         super().__init__()
-        self.q = nn.Linear(dim, dim)
-        self.kv = nn.Linear(dim, 2 * dim)
-        self.out = nn.Linear(dim, dim)
+        self.q = Linear(dim, dim)
+        self.kv = Linear(dim, 2 * dim)
+        self.out = Linear(dim, dim)
         self.heads = heads
         self.attn_dropout = attn_dropout
 
@@ -156,8 +156,8 @@ class CrossAttention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, dim: int, ffn_dim: int, activation: str, dropout: float) -> None:
         super().__init__()
-        self.inner = nn.Linear(dim, ffn_dim)
-        self.outer = nn.Linear(ffn_dim, dim)
+        self.inner = Linear(dim, ffn_dim)
+        self.outer = Linear(ffn_dim, dim)
         self.act = F.gelu if activation == "gelu" else F.relu
         self.dropout = Dropout(dropout)
 
