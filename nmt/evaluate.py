@@ -91,7 +91,7 @@ def decode_ids(
     start = 0
     model.eval()
     # Weights packed once for the whole input, not once per batch (see search.decoding).
-    with torch.no_grad(), autocast(device, precision), packed_weights(model):
+    with torch.inference_mode(), autocast(device, precision), packed_weights(model):
         while start < len(order):
             # Sentences sorted by length: grow the batch while it fits the token budget.
             end = start + 1

@@ -25,7 +25,7 @@ from nmt.search import (
     greedy,
     max_lengths,
     search,
-    topk_rows,
+    topk_candidates,
 )
 from nmt.special import BOS_ID, EOS_ID, PAD_ID
 
@@ -353,18 +353,26 @@ def test_finished_sentences_leave_the_batch_beam(trained, monkeypatch, eos):
 
 
 @pytest.mark.parametrize(
-    "rows, cols, k", [(64, 40000, 10), (320, 8000, 1), (7, 8000 + 37, 10), (3, 700, 2)]
+    "n, w, cols, k",
+    [(64, 5, 8000, 10), (320, 1, 8000, 1), (7, 2, 8000 + 37, 10), (3, 4, 700, 2), (5, 1, 4000, 3)],
 )
-def test_topk_rows_equals_torch_topk(rows, cols, k):
-    gen = torch.Generator().manual_seed(rows + cols + k)
-    x = torch.randn(rows, cols, generator=gen)
-    x[0] = float("-inf")  # a row with nothing allowed
-    x[1, -3:] = torch.tensor([50.0, 52.0, 51.0])  # the best entries in the partial last block
+def test_topk_candidates_equals_torch_topk(n, w, cols, k):
+    gen = torch.Generator().manual_seed(n + w + cols + k)
+    x = torch.randn(n * w, cols, generator=gen)
+    scores = torch.randn(n, w, generator=gen) * 3
+    x[:w] = float("-inf")  # a sentence with nothing allowed
+    x[w, -3:] = torch.tensor([50.0, 52.0, 51.0])  # the best entries in the partial last block
     x[-1, 100:200] = float("-inf")
-    values, index = topk_rows(x, k)
-    expected = x.topk(k, 1)
-    assert torch.equal(values, expected.values)
-    assert torch.equal(x.gather(1, index), values)  # the columns hold those values
-    assert torch.equal(index[1:], expected.indices[1:])  # no ties in continuous noise
-    if k == 1:
-        assert torch.equal(index[1:, 0], x[1:].argmax(1))
+    if w > 1:
+        scores[-1, 0] = float("-inf")  # a dead hypothesis
+    for sc in (scores, None):
+        values, index = topk_candidates(x, k, sc)
+        # without scores every row is a sentence of its own (greedy search)
+        cand = x if sc is None else (x + sc.reshape(-1, 1)).view(n, w * cols)
+        expected = cand.topk(k, 1)
+        assert torch.equal(values, expected.values)
+        assert torch.equal(cand.gather(1, index), values)  # the indices hold those values
+        real = torch.isfinite(values).all(1)  # no ties in continuous noise
+        assert torch.equal(index[real], expected.indices[real])
+        if k == 1:
+            assert torch.equal(index[real, 0], cand[real].argmax(1))
