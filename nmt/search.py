@@ -2,7 +2,8 @@
 
 Everything is batched as tensor operations over sentences and beams. Finished sentences leave
 the active batch (their state rows are dropped with `reorder_state`), so work shrinks as
-sentences finish. The search knows nothing about architectures.
+sentences finish. The source side of the state stays one row per sentence; the K hypotheses of
+a sentence are adjacent rows. The search knows nothing about architectures.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def greedy(
             if keep.numel() == 0:
                 break
             alive, tokens, scores, nxt = alive[keep], tokens[keep], scores[keep], nxt[keep]
-            state = reorder_state(state, keep)
+            state = reorder_state(state, keep, sentences=keep)
         prev = nxt
     return results
 
@@ -268,7 +269,7 @@ def beam_search(
         scores = live_scores
         tokens = torch.cat([tokens[sel_rows], sel_tok[:, None]], 1)
         # Rows stay inside their sentence; the first step expands each sentence to K rows.
-        state = reorder_state(state, sel_rows, within_sentences=width == k)
+        state = reorder_state(state, sel_rows)
         width = k
         prev = sel_tok
 
@@ -282,7 +283,7 @@ def beam_search(
             keep_rows = (keep[:, None] * k + arange_k).flatten()
             alive, scores = alive[keep], scores[keep]
             tokens, prev = tokens[keep_rows], prev[keep_rows]
-            state = reorder_state(state, keep_rows)
+            state = reorder_state(state, keep_rows, sentences=keep)
 
     results = []
     norms, raws, toks = pool_norm.tolist(), pool_raw.tolist(), pool_tok.tolist()

@@ -152,37 +152,41 @@ def test_state_is_batch_first_and_step_does_not_mutate(variant):
 
 
 def test_reorder_state_serves_beam_expansion(variant):
-    """Decoding rows selected by reorder_state equals decoding the selected sentences."""
+    """Hypothesis rows selected by reorder_state (several per sentence, the source side one row
+    per sentence) decode as the selected sentences would on their own."""
     model = make(variant)
     src, mask, tgt = batch([5, 3, 6], [4, 4, 4])
     state = model.init_state(model.encode(src, mask))
-    index = torch.tensor([2, 2, 0, 1, 1])
-    out, _ = model.step(tgt[:, 0][index], reorder_state(state, index))
-    ref, _ = model.step(tgt[:, 0], state)
+    ref, ref_state = model.step(tgt[:, 0], state)
+    ref2, _ = model.step(tgt[:, 1], ref_state)
+    sentences = torch.tensor([2, 0])  # sentence 1 has finished; 2 now comes first
+    index = sentences.repeat_interleave(3)  # three hypotheses each
+    out, out_state = model.step(tgt[:, 0][index], reorder_state(state, index, sentences))
     torch.testing.assert_close(out.logits, ref.logits[index])
+    if out.attention is not None:
+        torch.testing.assert_close(out.attention, ref.attention[index])
+    # A reorder within sentences leaves the source side as it is.
+    within = torch.tensor([2, 0, 1, 3, 3, 4])
+    out2, _ = model.step(tgt[:, 1][index][within], reorder_state(out_state, within))
+    torch.testing.assert_close(out2.logits, ref2.logits[index][within])
 
 
 def test_source_state_is_constant_over_steps(variant):
-    """`src_*` state entries depend on the source alone: decoding steps carry them unchanged,
-    which is what lets beam search skip copying them when it reorders within sentences."""
+    """`src_*` state entries depend on the source alone and hold one row per sentence:
+    decoding steps carry them unchanged, however many hypotheses each sentence has."""
     model = make(variant)
     src, mask, tgt = batch([5, 3], [4, 4])
     state = model.init_state(model.encode(src, mask))
     source = {k: v.clone() for k, v in state.items() if k.startswith(SOURCE_PREFIX)}
     assert source, "every architecture keeps its per-sentence state under src_*"
+    state = reorder_state(state, torch.tensor([0, 0, 0, 1, 1, 1]))  # three hypotheses each
     for t in range(tgt.size(1)):
-        _, state = model.step(tgt[:, t], state)
+        _, state = model.step(tgt[:, t].repeat_interleave(3), state)
     assert {k for k in state if k.startswith(SOURCE_PREFIX)} == set(source)
     for k, v in source.items():
         torch.testing.assert_close(state[k], v)
-    # Reordering inside sentences keeps them as they are, and equals the full reorder there.
-    expanded = reorder_state(state, torch.tensor([0, 0, 1, 1]))
-    within = reorder_state(expanded, torch.tensor([1, 0, 3, 2]), within_sentences=True)
-    full = reorder_state(expanded, torch.tensor([1, 0, 3, 2]))
-    for k in within:
-        torch.testing.assert_close(within[k], full[k])
-        if k.startswith(SOURCE_PREFIX):
-            assert within[k] is expanded[k]
+    for k, v in state.items():
+        assert v.size(0) == (2 if k.startswith(SOURCE_PREFIX) else 6), k
 
 
 def test_batch_permutation(variant):

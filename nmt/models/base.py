@@ -10,9 +10,12 @@ Every model maps batch-first tensors to batch-first tensors:
 ``src_mask`` is boolean, True at real tokens. A ``State`` is a plain dict of tensors whose first
 dimension is the batch, so ``reorder_state`` serves beam expansion and pruning for every model.
 State entries that are functions of the source alone (encoder memory, attention keys computed
-once per sentence, the source mask) are named ``src_*``: they are identical across the
-hypotheses of one sentence, so beam search does not copy them when it reorders hypotheses
-within sentences.
+once per sentence, the source mask) are named ``src_*`` and hold one row per sentence. The
+other entries hold one row per hypothesis, the hypotheses of a sentence in adjacent rows, the
+same number for every sentence: a step on N rows of a state whose ``src_*`` entries have B rows
+decodes N // B hypotheses per sentence (`hypotheses_per_sentence`). So beam search never
+copies the source side K times, and attention reads each sentence's keys once for all of its
+hypotheses.
 """
 
 from __future__ import annotations
@@ -65,16 +68,28 @@ def source_state(state: State) -> State:
     return {k: v for k, v in state.items() if k.startswith(SOURCE_PREFIX)}
 
 
-def reorder_state(state: State, index: Tensor, within_sentences: bool = False) -> State:
-    """Select (and repeat) batch rows of every state tensor: beam expansion and pruning.
+def reorder_state(state: State, index: Tensor, sentences: Tensor | None = None) -> State:
+    """Select (and repeat) hypothesis rows of every state tensor: beam expansion and pruning.
 
-    within_sentences=True promises that `index` maps every row to a row of the same sentence
-    (beam reordering): the per-sentence ``src_*`` entries are then returned as they are.
+    `index` selects the rows of the per-hypothesis entries; `sentences` the rows of the
+    per-sentence ``src_*`` entries, which stay as they are when it is None (hypotheses
+    reordered or multiplied within their sentences). The result must keep the hypotheses of a
+    sentence adjacent and in sentence order.
     """
     return {
-        k: v if within_sentences and k.startswith(SOURCE_PREFIX) else v.index_select(0, index)
+        k: (v if sentences is None else v.index_select(0, sentences))
+        if k.startswith(SOURCE_PREFIX)
+        else v.index_select(0, index)
         for k, v in state.items()
     }
+
+
+def hypotheses_per_sentence(rows: int, per_sentence: Tensor) -> int:
+    """How many hypothesis rows (of `rows`) each sentence has, given a ``src_*`` entry."""
+    sentences = per_sentence.size(0)
+    if sentences == 0 or rows % sentences:
+        raise ValueError(f"{rows} hypothesis rows cannot be shared by {sentences} sentences")
+    return rows // sentences
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from nmt.models.base import State, StepOutput, source_state
+from nmt.models.base import State, StepOutput, hypotheses_per_sentence, source_state
 from nmt.models.layers import (
     RNN,
     Dropout,
@@ -128,13 +128,18 @@ class RNNAttention(nn.Module):
 
     # -- internals -------------------------------------------------------------------------
     def _step(self, y: Tensor, state: State) -> tuple[Tensor, Tensor, State]:
-        """y[B,E] embedded previous token -> readout o_t[B,E], attention[B,S], new state."""
-        hidden = state["hidden"]  # [B,L,H]
-        query = hidden[:, -1:, :]  # s_{t-1} of the top layer [B,1,H]
+        """y[N,E] embedded previous token of N = B*w hypotheses -> readout o_t[N,E],
+        attention[N,S], new state. The w hypotheses of a sentence are w queries of one
+        attention over its source (keys and memory [B,S,*] read once per sentence)."""
+        hidden = state["hidden"]  # [N,L,H]
+        n = hidden.size(0)
+        b = state["src_mask"].size(0)
+        w = hypotheses_per_sentence(n, state["src_mask"])
+        query = hidden[:, -1, :].reshape(b, w, -1)  # s_{t-1} of the top layer [B,w,H]
         context, weights = self.attention(
             query, state["src_keys"], state["src_memory"], state["src_mask"]
         )
-        context = context[:, 0]  # [B,M]
+        context, weights = context.reshape(n, -1), weights.reshape(n, -1)  # [N,M], [N,S]
         parts = [y, context] + ([state["feed"]] if self.input_feed else [])
         out, hidden, cell = self.decoder(
             torch.cat(parts, -1)[:, None, :], hidden, state.get("cell")
@@ -147,4 +152,4 @@ class RNNAttention(nn.Module):
             new_state["cell"] = cell
         if self.input_feed:
             new_state["feed"] = readout
-        return readout, weights[:, 0], new_state
+        return readout, weights, new_state

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from nmt.models.base import State, StepOutput, source_state
+from nmt.models.base import State, StepOutput, hypotheses_per_sentence, source_state
 from nmt.models.layers import RNN, Dropout, Embedding, Linear, OutputProjection, RNNEncoder
 
 
@@ -90,8 +90,12 @@ class Seq2Seq(nn.Module):
 
     # -- internals -------------------------------------------------------------------------
     def _decode(self, tgt_in: Tensor, state: State) -> tuple[Tensor, State]:
-        """tgt_in[B,T] -> logits[B,T,V]; the whole sequence in one RNN call (c is known)."""
-        c = state["src_context"]  # [B,H]
+        """tgt_in[N,T] of N = B*w hypotheses -> logits[N,T,V]; the whole sequence in one RNN
+        call (c is known)."""
+        c = state["src_context"]  # [B,H], one row per sentence
+        w = hypotheses_per_sentence(tgt_in.size(0), c)
+        if w > 1:
+            c = c.repeat_interleave(w, 0)  # [N,H]
         y = self.dropout(self.tgt_embed(tgt_in))  # [B,T,E]
         c_t = c[:, None, :].expand(-1, y.size(1), -1)  # [B,T,H]
         out, hidden, cell = self.decoder(

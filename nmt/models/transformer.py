@@ -1,11 +1,12 @@
 """Transformer encoder-decoder (Vaswani et al. 2017) with an incremental key/value cache.
 
 Attention is softmax(QKᵀ/√d)V: through `torch.nn.functional.scaled_dot_product_attention` over
-whole sequences (training, encoding), written out for the single query of a decoding step
-(`attend_one`).
-Decoding state: per layer, the self-attention cache `self_k{i}`/`self_v{i}` [B,H,t,Dh] grows by
-one position per step; the cross-attention keys/values `src_k{i}`/`src_v{i}` [B,H,S,Dh]
-are computed once per sentence in `init_state`.
+whole sequences (training, encoding), written out for the few queries of a decoding step
+(`attend_step`).
+Decoding state: per layer, the self-attention cache `self_k{i}`/`self_v{i}` [N,H,t,Dh] of the N
+hypotheses grows by one position per step; the cross-attention keys/values `src_k{i}`/`src_v{i}`
+[B,H,S,Dh] are computed once per sentence in `init_state`, and the hypotheses of a sentence
+query them together.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nmt.models.base import State, StepOutput, source_state
+from nmt.models.base import State, StepOutput, hypotheses_per_sentence, source_state
 from nmt.models.layers import Dropout, Embedding, Linear, OutputProjection, Positions
 
 
@@ -74,11 +75,12 @@ def attend(
     )
 
 
-def attend_one(
+def attend_step(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """One query position per row (incremental decoding): q[B,H,1,Dh], k/v[B,H,S,Dh],
-    mask[B,1,1,S] bool or None -> y[B,H,1,Dh] and the weights [B,H,1,S] (fp32).
+    """A few queries per row (incremental decoding: one position, or the hypotheses of one
+    sentence against its source): q[B,H,Tq,Dh], k/v[B,H,S,Dh], mask[B,1,1,S] bool or None
+    -> y[B,H,Tq,Dh] and the weights [B,H,Tq,S] (fp32).
 
     softmax(QKᵀ/√Dh)V written out as two 3-d batched matmuls, the softmax in fp32. For a
     single query this beats SDPA on CPU, whose kernels are built for many queries: [320,4,1,64]
@@ -87,15 +89,15 @@ def attend_one(
     form (k and v contiguous, so the reshapes are views) skips `matmul`'s 4-d dispatch:
     beam 5 in bf16 went from 145 to 147 sentences/s.
     """
-    b, h, _, dh = q.shape
+    b, h, tq, dh = q.shape
     s = k.size(2)
-    scores = torch.bmm(q.reshape(b * h, 1, dh), k.reshape(b * h, s, dh).transpose(1, 2))
-    scores = scores.view(b, h, 1, s).float() * dh**-0.5  # [B,H,1,S]
+    scores = torch.bmm(q.reshape(b * h, tq, dh), k.reshape(b * h, s, dh).transpose(1, 2))
+    scores = scores.view(b, h, tq, s).float() * dh**-0.5  # [B,H,Tq,S]
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1)
-    y = torch.bmm(weights.to(v.dtype).view(b * h, 1, s), v.reshape(b * h, s, dh))
-    return y.view(b, h, 1, dh), weights  # [B,H,1,S] @ [B,H,S,Dh] -> [B,H,1,Dh]
+    y = torch.bmm(weights.to(v.dtype).view(b * h, tq, s), v.reshape(b * h, s, dh))
+    return y.view(b, h, tq, dh), weights  # [B,H,Tq,S] @ [B,H,S,Dh] -> [B,H,Tq,Dh]
 
 
 def split_heads(x: Tensor, heads: int) -> Tensor:
@@ -153,10 +155,17 @@ class CrossAttention(nn.Module):
         return self.out(merge_heads(y))
 
     def step(self, x: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """One decoder position x[B,1,D] -> y[B,1,D] and the weights [B,H,1,S] (fp32)."""
-        q = split_heads(self.q(x), self.heads)  # [B,H,1,Dh]
-        y, weights = attend_one(q, k, v, mask)
-        return self.out(merge_heads(y)), weights
+        """One decoder position of w hypotheses per sentence, x[B*w,1,D] (a sentence's rows
+        adjacent), against its source's k/v[B,H,S,Dh], mask[B,1,1,S] -> y[B*w,1,D] and the
+        weights [B*w,H,S] (fp32). The w hypotheses are w queries of one attention, so the
+        source keys are read once per sentence, not once per hypothesis."""
+        n, _, d = x.shape
+        b = k.size(0)
+        w = n // b
+        q = self.q(x).view(b, w, self.heads, d // self.heads).transpose(1, 2)  # [B,H,w,Dh]
+        y, weights = attend_step(q, k, v, mask)  # [B,H,w,Dh], [B,H,w,S]
+        y = y.transpose(1, 2).reshape(n, 1, d)
+        return self.out(y), weights.transpose(1, 2).reshape(n, self.heads, -1)
 
 
 class FeedForward(nn.Module):
@@ -246,12 +255,13 @@ class DecoderLayer(nn.Module):
         v: Tensor,
         mask: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """One position x[B,1,D] against the cache [B,H,t,Dh] -> y, cache_k', cache_v' and the
-        cross-attention weights [B,H,1,S]."""
-        q, k_new, v_new = self.self_attn.project(self.res_self.inner(x))  # [B,H,1,Dh]
-        cache_k = torch.cat([cache_k, k_new], dim=2)  # [B,H,t+1,Dh]
+        """One position x[N,1,D] of N hypotheses against their cache [N,H,t,Dh] and their
+        sentences' source k/v[B,H,S,Dh] -> y, cache_k', cache_v' and the cross-attention
+        weights [N,H,S]."""
+        q, k_new, v_new = self.self_attn.project(self.res_self.inner(x))  # [N,H,1,Dh]
+        cache_k = torch.cat([cache_k, k_new], dim=2)  # [N,H,t+1,Dh]
         cache_v = torch.cat([cache_v, v_new], dim=2)
-        y, _ = attend_one(q, cache_k, cache_v)  # all cached positions are past
+        y, _ = attend_step(q, cache_k, cache_v)  # all cached positions are past
         x = self.res_self.outer(x, self.self_attn.out(merge_heads(y)))
         y, weights = self.cross_attn.step(self.res_cross.inner(x), k, v, mask)
         x = self.res_cross.outer(x, y)
@@ -323,16 +333,17 @@ class Transformer(nn.Module):
         return state
 
     def step(self, prev: Tensor, state: State) -> tuple[StepOutput, State]:
-        pos = state["pos"]  # [B]
-        x = self.dropout(self.tgt_embed(prev) + self.positions(pos))[:, None, :]  # [B,1,D]
+        hypotheses_per_sentence(prev.size(0), state["src_mask"])  # N = B * w rows
+        pos = state["pos"]  # [N]
+        x = self.dropout(self.tgt_embed(prev) + self.positions(pos))[:, None, :]  # [N,1,D]
         mask = state["src_mask"][:, None, None, :]  # [B,1,1,S]
         new_state: State = {**source_state(state), "pos": pos + 1}
         for i, layer in enumerate(self.decoder):
             k, v = state[f"src_k{i}"], state[f"src_v{i}"]
             x, ck, cv, weights = layer.step(x, state[f"self_k{i}"], state[f"self_v{i}"], k, v, mask)
             new_state.update({f"self_k{i}": ck, f"self_v{i}": cv})
-        logits = self.output(self.dec_norm(x[:, 0]))  # [B,V]
-        attention = weights[:, :, 0, :].mean(1)  # last layer, averaged over heads [B,S]
+        logits = self.output(self.dec_norm(x[:, 0]))  # [N,V]
+        attention = weights.mean(1)  # last layer, averaged over heads [N,S]
         return StepOutput(logits, attention), new_state
 
     def forward(self, src: Tensor, src_mask: Tensor, tgt_in: Tensor) -> Tensor:
