@@ -96,12 +96,12 @@ class Seq2Seq(nn.Module):
         w = hypotheses_per_sentence(tgt_in.size(0), c)
         if w > 1:
             c = c.repeat_interleave(w, 0)  # [N,H]
-        y = self.dropout(self.tgt_embed(tgt_in))  # [B,T,E]
-        c_t = c[:, None, :].expand(-1, y.size(1), -1)  # [B,T,H]
+        y = self.dropout(self.tgt_embed(tgt_in))  # [N,T,E]
+        c_t = c[:, None, :].expand(-1, y.size(1), -1)  # [N,T,H]
         out, hidden, cell = self.decoder(
             torch.cat([y, c_t], -1), state["hidden"], state.get("cell")
         )
-        readout = torch.tanh(self.readout(torch.cat([self.dropout(out), y, c_t], -1)))  # [B,T,E]
+        readout = torch.tanh(self.readout(torch.cat([self.dropout(out), y, c_t], -1)))  # [N,T,E]
         new_state = {**source_state(state), "hidden": hidden}
         if cell is not None:
             new_state["cell"] = cell
