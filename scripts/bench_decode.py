@@ -11,7 +11,9 @@ What is measured
     (stable) and cut into batches of --batch-size sentences (default 64), built once before
     timing; every system decodes the same batches.
   * nmt: `nmt.search.search` (the search `nmt translate` runs) with the run's (or recipe's)
-    decode settings, beam --beam (default 5) or greedy, under torch.no_grad and autocast.
+    decode settings, beam --beam (default 5) or greedy, under torch.no_grad and autocast. It
+    runs in inference mode and packs the model's weights for oneDNN at every call, so the
+    timing includes one packing per batch (`nmt translate` packs once per input).
   * --fixed-len N (SearchOptions.fixed_len): every sentence gets exactly N tokens (EOS forbidden
     before), so all systems do identical work whatever the weights. Default N = 20 without
     --run; with --run the default is free decoding (--fixed-len 0), which stops at EOS.
