@@ -351,8 +351,13 @@ def translate(
     tick = None
     if input is None and sys.stdin.isatty() and attention_plot is None:
         err.print("[dim]interactive: type a sentence and press enter (Ctrl-D to quit)[/]")
-        for line in sys.stdin:
-            emit([line.rstrip("\n")], sys.stdout)
+        for typed in sys.stdin.buffer:  # bytes: a line that is not UTF-8 must not end the session
+            try:
+                line = typed.decode("utf-8")
+            except UnicodeDecodeError:
+                err.print("[bold red]error:[/] that line is not UTF-8 text; type it again")
+                continue
+            emit([line.rstrip("\n").removesuffix("\r")], sys.stdout)
         return
     if input is not None:
         lines = read_text_lines(input)

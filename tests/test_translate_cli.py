@@ -552,6 +552,34 @@ def test_translate_input_that_is_not_utf8(run, tmp_path):
     assert b"standard input, line 2: bytes that are not UTF-8" in piped.stderr
 
 
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_interactive_translation_line_by_line_on_a_terminal(run):
+    """stdin a terminal: each typed line is translated as it comes (same text as a file would
+    give); a line that is not UTF-8 is reported and the session goes on to Ctrl-D."""
+    expected = ok(nmt_cli("translate", run, *FP32, stdin="A dog runs.\n\nTwo men.\n")).stdout
+    controller, terminal = os.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nmt", "translate", str(run), *FP32],
+        stdin=terminal,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    os.close(terminal)
+    try:
+        first = proc.stdout.readline() if os.write(controller, b"A dog runs.\n") else b""
+        assert first.decode() == expected.splitlines(keepends=True)[0]  # before more is typed
+        os.write(controller, "Un garçon.\n".encode("latin-1") + b"\nTwo men.\n\x04")
+        out, errors = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+        os.close(controller)
+    assert proc.returncode == 0, errors.decode()
+    assert (first + out).decode() == expected
+    assert b"that line is not UTF-8 text; type it again" in errors
+    assert b"Traceback" not in errors
+
+
 @pytest.mark.parametrize(
     "args, fragment",
     [
