@@ -139,7 +139,7 @@ def topk_candidates(
     if full < v:  # the partial last block: columns beyond V repeat the last one, masked
         outside = cols >= v
         cols = cols.clamp(max=v - 1)
-    values = logp.view(-1).take(row[:, :, None] * v + cols)  # [n,k,block]
+    values = logp.take(row[:, :, None] * v + cols)  # [n,k,block], row-major flat indices
     if offset is not None:
         values = values + offset[row]
     if full < v:
