@@ -424,6 +424,26 @@ def test_download_verifies_caches_and_reuses_files(tmp_path, monkeypatch, multi3
         assert second.split("valid").texts("tgt") == first.split("valid").texts("tgt")
 
 
+def test_a_local_copy_is_checked_against_the_published_checksums(
+    tmp_path, monkeypatch, multi30k_dir, caplog
+):
+    """data.local_dir files are the ones read (never a download), with a warning for each file
+    that is not the published one: a slice or an edited copy may be intended."""
+    monkeypatch.delenv("NMT_DATA_DIR")
+    copy = mirror(tmp_path / "copy", multi30k_dir)
+    data = {"local_dir": str(copy), "download_url": f"http://127.0.0.1:{closed_port()}"}
+    cfg = make_cfg({**data, "cache_dir": str(tmp_path / "cache")})
+    with caplog.at_level("WARNING", logger="nmt.data.sources"):
+        assert corpus_file(cfg.data, "train", "en") == copy / "train.en.gz"
+        assert not caplog.records  # the genuine files: nothing to say
+        _corrupt(copy)
+        assert corpus_file(cfg.data, "train", "en") == copy / "train.en.gz"
+        assert corpus_file(cfg.data, "train", "de") == copy / "train.de.gz"
+    (record,) = caplog.records
+    assert f"{copy / 'train.en.gz'} is not the published multi30k train.en.gz" in record.message
+    assert f"expected {MULTI30K.sha256['train.en.gz'][:12]}" in record.message
+
+
 def _corrupt(directory: Path) -> None:
     data = bytearray((directory / "train.en.gz").read_bytes())
     data[len(data) // 2] ^= 0xFF

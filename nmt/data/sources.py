@@ -2,7 +2,8 @@
 
 Source kinds: a pair of plain-text files (optionally .gz), TSV or JSONL files with named
 fields, a dataset on the Hugging Face Hub (or saved locally) with a `translation` field, and
-named corpora (multi30k) read from a local copy or downloaded with integrity checks.
+named corpora (multi30k) downloaded with integrity checks, or read from a local copy (checked
+against the same checksums: a copy that differs is used, with a warning).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import gzip
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -25,6 +27,8 @@ import datasets
 
 from nmt import NMTError
 from nmt.config import DataConfig
+
+log = logging.getLogger(__name__)
 
 FEATURES = datasets.Features({"src": datasets.Value("string"), "tgt": datasets.Value("string")})
 
@@ -291,6 +295,12 @@ def corpus_file(cfg: DataConfig, split: str, lang: str) -> Path:
             raise NMTError(
                 f"file not found: {path}; the local copy of {cfg.source} (data.local_dir or "
                 f"$NMT_DATA_DIR/{cfg.source}) must hold {name}"
+            )
+        actual, expected = _sha256(path), corpus.sha256[name]
+        if actual != expected:  # a slice or an edited copy may be intended: say so, go on
+            log.warning(
+                f"{path} is not the published {cfg.source} {name} (sha256 {actual[:12]}..., "
+                f"expected {expected[:12]}...): scores will not compare with published ones"
             )
         return path
     path = cache_root(cfg) / "corpora" / cfg.source / name
