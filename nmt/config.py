@@ -95,6 +95,10 @@ class TokenizerConfig:
     vocab_size: int = 8000
     character_coverage: float = 1.0
     input_sentence_size: int = 2_000_000  # sentences sampled for training on large corpora
+    # sentencepiece's text normalization, applied to what it encodes (so decoded output comes
+    # back normalized): nmt_nfkc (NFKC plus whitespace clean-up), nfkc, their case-folding
+    # *_cf variants, or identity (text kept as it is: full-width punctuation in zh/ja).
+    normalization: Literal["nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity"] = "nmt_nfkc"
 
     def __post_init__(self) -> None:
         _check(self.vocab_size >= 16, "tokenizer.vocab_size", "must be >= 16")
@@ -231,6 +235,8 @@ class Config:
         payload = {"data": dict(d["data"]), "tokenizer": d["tokenizer"]}
         for volatile in ("num_proc", "cache_dir", "local_dir", "download_url"):
             payload["data"].pop(volatile)
+        if payload["tokenizer"]["normalization"] == "nmt_nfkc":  # the key from before the option
+            del payload["tokenizer"]["normalization"]
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 

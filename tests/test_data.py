@@ -649,6 +649,32 @@ def test_tokenizer_kinds_special_ids_and_round_trip(kind, joint):
         assert chars(tok.tgt) & (tgt_chars - src_chars)
 
 
+FULL_WIDTH = {c: c + 0xFEE0 for c in range(0x21, 0x7F)}  # ASCII -> its full-width form
+
+
+@pytest.mark.parametrize("rule", ["nmt_nfkc", "identity"])
+def test_tokenizer_normalization_rule(rule, tmp_path, corpus):
+    """tokenizer.normalization=identity keeps full-width text as written (zh/ja punctuation);
+    the default NFKC rule folds it to ASCII, also in what the tokenizer decodes."""
+    for lang in LANGS:
+        lines = [
+            s.strip().translate(FULL_WIDTH) if i % 2 else s
+            for i, s in enumerate(corpus["train"][lang])
+        ]
+        write_lines(tmp_path / f"train.{lang}", lines)
+    data = {"source": "text", "train": str(tmp_path / "train"), "valid": str(tmp_path / "train")}
+    prepared = prepare(make_cfg({**data, "test": []}, normalization=rule))
+    tok = prepared.tokenizer()
+    line = "Ｔｗｏ ｄｏｇｓ，ｏｎｅ ｂａｌｌ．"
+    (back,) = tok.decode_tgt(tok.encode_tgt([line]))
+    assert back == (line if rule == "identity" else "Two dogs,one ball.")
+    other = "identity" if rule == "nmt_nfkc" else "nmt_nfkc"
+    assert (
+        make_cfg({**data, "test": []}, normalization=other).data_key()
+        != make_cfg({**data, "test": []}, normalization=rule).data_key()
+    )  # a prepared dataset of one rule is never reused for the other
+
+
 def test_tokenizer_is_trained_on_the_training_slice_only(tmp_path, corpus):
     # characters that occur only after the training limit or only in valid/test are unknown
     train_en = corpus["train"]["en"] + ["The ☃ stands in the snow."] * 5

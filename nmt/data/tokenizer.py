@@ -40,6 +40,7 @@ def _train_one(
             model_type=cfg.type,
             vocab_size=cfg.vocab_size,
             character_coverage=cfg.character_coverage,
+            normalization_rule_name=cfg.normalization,
             input_sentence_size=cfg.input_sentence_size,
             shuffle_input_sentence=True,
             pad_id=PAD_ID,
