@@ -274,6 +274,9 @@ def translate(
     max_len_b: int | None = typer.Option(None, "--max-len-b"),
     length_penalty: float | None = typer.Option(None, "--length-penalty", help="GNMT alpha."),
     no_repeat_ngram: int | None = typer.Option(None, "--no-repeat-ngram"),
+    ban_unk: bool | None = typer.Option(
+        None, "--ban-unk/--allow-unk", help="Never output <unk> (default: decode.ban_unk)."
+    ),
     sample: bool = typer.Option(False, "--sample", help="Sample instead of searching."),
     temperature: float = typer.Option(1.0, "--temperature"),
     top_k: int = typer.Option(0, "--top-k"),
@@ -314,6 +317,7 @@ def translate(
             "max_len_b": max_len_b,
             "length_penalty": length_penalty,
             "no_repeat_ngram": no_repeat_ngram,
+            "ban_unk": ban_unk,
         }.items()
         if v is not None
     ]

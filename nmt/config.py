@@ -192,6 +192,7 @@ class DecodeConfig:
     max_len_b: int = 10
     min_len: int = 1
     no_repeat_ngram: int = 0
+    ban_unk: bool = False  # never output <unk> (the tokenizer's piece for unseen characters)
     batch_tokens: int = 6000
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
 

@@ -61,6 +61,7 @@ def search_options(d: DecodeConfig, **overrides: Any) -> SearchOptions:
         "max_len_b": d.max_len_b,
         "min_len": d.min_len,
         "no_repeat_ngram": d.no_repeat_ngram,
+        "ban_unk": d.ban_unk,
     }
     base.update({k: v for k, v in overrides.items() if v is not None})
     opts = SearchOptions(**base)

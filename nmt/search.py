@@ -19,7 +19,7 @@ from torch import Tensor
 
 from nmt.models.base import State, TranslationModel, reorder_state
 from nmt.models.layers import packed_weights
-from nmt.special import BOS_ID, EOS_ID, PAD_ID
+from nmt.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 NEG = float("-inf")
 Fn = TypeVar("Fn", bound=Callable)
@@ -48,6 +48,7 @@ class SearchOptions:
     max_len_b: int = 10
     min_len: int = 1
     no_repeat_ngram: int = 0
+    ban_unk: bool = False  # <unk> never chosen
     sample: bool = False  # ancestral sampling instead of greedy (beam must be 1)
     temperature: float = 1.0
     top_k: int = 0
@@ -84,6 +85,8 @@ def _adjust(logp: Tensor, tokens: Tensor, t: int, limit: Tensor, opts: SearchOpt
     eos = logp[:, EOS_ID].clone()  # the model's own EOS log-prob, kept when EOS is forced
     logp[:, PAD_ID] = NEG
     logp[:, BOS_ID] = NEG
+    if opts.ban_unk:
+        logp[:, UNK_ID] = NEG
     if t < opts.min_len or (opts.fixed_len is not None and t < opts.fixed_len):
         logp[:, EOS_ID] = NEG
     force = t + 1 >= limit  # [N] the last allowed position must be EOS

@@ -15,8 +15,9 @@ import pytest
 import torch
 from conftest import tiny_run
 
+from nmt.config import DecodeConfig
 from nmt.data.prepare import prepare
-from nmt.evaluate import load_model
+from nmt.evaluate import load_model, search_options
 from nmt.models.base import StepOutput
 from nmt.search import (
     SearchOptions,
@@ -27,7 +28,7 @@ from nmt.search import (
     search,
     topk_candidates,
 )
-from nmt.special import BOS_ID, EOS_ID, PAD_ID
+from nmt.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 REPO = Path(__file__).resolve().parents[1]
 ARCHS = ("seq2seq", "rnn_attention", "transformer")
@@ -116,11 +117,13 @@ def model_logprob(model, source: list[int], tokens: list[int]) -> float:
 
 class Biased(torch.nn.Module):
     """A trained model pushed to extremes: `eos` > 0 wants to stop at once, < 0 never wants to
-    stop; `repeat` > 0 wants to repeat the previous token forever."""
+    stop; `repeat` > 0 wants to repeat the previous token forever; `unk` > 0 wants <unk>."""
 
-    def __init__(self, model: torch.nn.Module, eos: float = 0.0, repeat: float = 0.0) -> None:
+    def __init__(
+        self, model: torch.nn.Module, eos: float = 0.0, repeat: float = 0.0, unk: float = 0.0
+    ) -> None:
         super().__init__()
-        self.model, self.eos, self.repeat = model, eos, repeat
+        self.model, self.eos, self.repeat, self.unk = model, eos, repeat, unk
 
     def encode(self, src, src_mask):
         return self.model.encode(src, src_mask)
@@ -132,6 +135,7 @@ class Biased(torch.nn.Module):
         out, state = self.model.step(prev, state)
         logits = out.logits.clone()
         logits[:, EOS_ID] += self.eos
+        logits[:, UNK_ID] += self.unk
         logits[torch.arange(prev.size(0)), prev] += self.repeat
         return StepOutput(logits, out.attention), state
 
@@ -268,6 +272,18 @@ def test_no_repeat_ngram(trained, beam, n):
             assert len(hyps) == beam
             for h in hyps:
                 assert repeated_ngrams(h.tokens, n) == 0, h.tokens
+
+
+@pytest.mark.parametrize("opts", [dict(beam=1), dict(beam=3, nbest=3), dict(beam=1, sample=True)])
+def test_ban_unk(trained, opts):
+    fond = Biased(trained.model, unk=50.0)  # <unk> at every position
+    sources = trained.sources[:20]
+    free = decode(fond, sources, **opts)
+    assert all(UNK_ID in h.tokens for hyps in free for h in hyps)
+    banned = decode(fond, sources, ban_unk=True, **opts)
+    assert all(len(hyps) == opts.get("nbest", 1) for hyps in banned)
+    assert not any(UNK_ID in h.tokens for hyps in banned for h in hyps)
+    assert search_options(DecodeConfig(ban_unk=True)).ban_unk
 
 
 @pytest.mark.parametrize("beam", [1, 3])

@@ -552,6 +552,17 @@ def test_translate_input_that_is_not_utf8(run, tmp_path):
     assert b"standard input, line 2: bytes that are not UTF-8" in piped.stderr
 
 
+def test_ban_unk_flag_reaches_the_search(run):
+    """--ban-unk and --allow-unk are accepted; with --ban-unk no <unk> (⁇) comes out, even for
+    a source with characters the tokenizer never saw (test_search.test_ban_unk: the search)."""
+    unknown = "日本 A dog runs.\n"  # characters the tokenizer never saw: <unk> in the source
+    out = ok(nmt_cli("translate", run, *FP32, "--ban-unk", "--nbest", "2", stdin=unknown)).stdout
+    assert len(out.splitlines()) == 2 and "\u2047" not in out  # sentencepiece shows <unk> as ⁇
+    assert (
+        ok(nmt_cli("translate", run, *FP32, "--allow-unk", stdin=unknown)).stdout.count("\n") == 1
+    )
+
+
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
 def test_interactive_translation_line_by_line_on_a_terminal(run):
     """stdin a terminal: each typed line is translated as it comes (same text as a file would
