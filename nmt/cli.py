@@ -357,11 +357,11 @@ def translate(
         err.print("[dim]interactive: type a sentence and press enter (Ctrl-D to quit)[/]")
         for typed in sys.stdin.buffer:  # bytes: a line that is not UTF-8 must not end the session
             try:
-                line = typed.decode("utf-8")
-            except UnicodeDecodeError:
+                line = text_lines(typed, "that line") or [""]  # the rules of files and pipes
+            except NMTError:
                 err.print("[bold red]error:[/] that line is not UTF-8 text; type it again")
                 continue
-            emit([line.rstrip("\n").removesuffix("\r")], sys.stdout)
+            emit(line, sys.stdout)
         return
     if input is not None:
         lines = read_text_lines(input)
