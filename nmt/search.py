@@ -249,21 +249,22 @@ def beam_search(
             idx = torch.nn.functional.pad(idx, (0, k - idx.size(1)), value=0)
         beam, tok = idx // v, idx % v
         rows = (torch.arange(n, device=device) * width)[:, None] + beam  # [b,2K] rows of tokens
-        hist = torch.cat([tokens[rows.flatten()], tok.view(-1, 1)], 1).view(n, -1, t + 1)
-        hist = torch.nn.functional.pad(hist, (0, max_t - t - 1), value=PAD_ID)  # [b,2K,max_t]
 
-        # Finished: EOS expansions among the top K enter the pool of K best finished.
+        # Finished: EOS expansions among the top K enter the pool of K best finished (most
+        # steps have none: the pool is left as it is then).
         is_eos = tok == EOS_ID
-        rank_ok = torch.arange(top.size(1), device=device)[None, :] < k
-        fin = is_eos & rank_ok & torch.isfinite(top)
-        norm = top / length_penalty(float(t + 1), opts)
-        merged_norm = torch.cat([pool_norm[alive], torch.where(fin, norm, NEG)], 1)
-        merged_raw = torch.cat([pool_raw[alive], top], 1)
-        merged_tok = torch.cat([pool_tok[alive], hist], 1)
-        best, pick = merged_norm.topk(k, dim=1)  # [b,K]
-        pool_norm[alive] = best
-        pool_raw[alive] = merged_raw.gather(1, pick)
-        pool_tok[alive] = merged_tok.gather(1, pick[:, :, None].expand(-1, -1, max_t))
+        fin = is_eos[:, :k] & torch.isfinite(top[:, :k])  # [b,K]
+        if fin.any():
+            hist = torch.cat([tokens[rows[:, :k].flatten()], tok[:, :k].reshape(-1, 1)], 1)
+            hist = torch.nn.functional.pad(hist.view(n, k, t + 1), (0, max_t - t - 1), value=PAD_ID)
+            norm = top[:, :k] / length_penalty(float(t + 1), opts)
+            merged_norm = torch.cat([pool_norm[alive], torch.where(fin, norm, NEG)], 1)
+            merged_raw = torch.cat([pool_raw[alive], top[:, :k]], 1)
+            merged_tok = torch.cat([pool_tok[alive], hist], 1)  # [b,2K,max_t]
+            best, pick = merged_norm.topk(k, dim=1)  # [b,K]
+            pool_norm[alive] = best
+            pool_raw[alive] = merged_raw.gather(1, pick)
+            pool_tok[alive] = merged_tok.gather(1, pick[:, :, None].expand(-1, -1, max_t))
 
         # Live: the K best non-EOS expansions.
         live_scores, live = torch.where(is_eos, NEG, top).topk(k, dim=1)  # [b,K]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nmt.models.base import SOURCE_PREFIX, Vocab, count_parameters, reorder_state
-from nmt.models.layers import Dropout, Linear, packed_dtype, packed_weights
+from nmt.models.layers import Dropout, Linear, Positions, packed_dtype, packed_weights, sinusoidal
 from nmt.models.registry import ARCHITECTURES, build_model
 from nmt.models.rnn_attention import RNNAttentionConfig
 from nmt.models.seq2seq import Seq2SeqConfig
@@ -329,6 +329,16 @@ def test_cpu_dropout_is_inverted_dropout_with_rate_p(p, dtype):
     drop.eval()
     assert drop(x) is x
     assert Dropout(0.0)(x) is x
+
+
+def test_sinusoidal_positions_come_from_a_table_equal_to_the_formula():
+    enc = Positions("sinusoidal", 16, 48)  # max_len bounds learned positions only
+    for positions in (torch.arange(7), torch.tensor([[3, 0], [5, 1]]), torch.tensor([70, 2])):
+        assert torch.equal(enc(positions), sinusoidal(positions, 48))
+    assert enc._sinusoids.size(0) == 128  # grown past 64 rows by doubling
+    far = torch.tensor([5000, 1, 4999])  # beyond any table so far, and any training length
+    assert torch.equal(enc(far), sinusoidal(far, 48))
+    assert enc(torch.zeros(0, dtype=torch.long)).shape == (0, 48)
 
 
 def test_cpu_dropout_rate_next_to_one_keeps_a_finite_scale():

@@ -177,11 +177,21 @@ class Positions(nn.Module):
         self.table = (
             nn.Parameter(torch.randn(max_len, dim) * dim**-0.5) if kind == "learned" else None
         )
+        self._sinusoids: Tensor | None = None  # CPU: sinusoidal(0..n-1), grown on demand
 
     def forward(self, positions: Tensor) -> Tensor:
-        if self.table is None:
+        if self.table is not None:
+            return self.table[positions.clamp(max=self.table.size(0) - 1)]
+        if positions.device.type != "cpu" or positions.numel() == 0:
             return sinusoidal(positions, self.dim)
-        return self.table[positions.clamp(max=self.table.size(0) - 1)]
+        # On CPU the encodings come from a table: the formula's eight small ops took 0.12 ms
+        # of a 26 ms beam-5 decoding step, a row lookup 5 us. Same values (elementwise ops).
+        n = int(positions.max()) + 1
+        if self._sinusoids is None or self._sinusoids.size(0) < n:
+            size = max(n, 2 * (0 if self._sinusoids is None else self._sinusoids.size(0)), 64)
+            self._sinusoids = sinusoidal(torch.arange(size), self.dim)
+        rows = self._sinusoids.index_select(0, positions.flatten())
+        return rows.view(*positions.shape, self.dim)
 
 
 def _lstm_needs_fp32() -> bool:

@@ -91,11 +91,13 @@ def attend_step(
     """
     b, h, tq, dh = q.shape
     s = k.size(2)
-    scores = torch.bmm(q.reshape(b * h, tq, dh), k.reshape(b * h, s, dh).transpose(1, 2))
-    scores = scores.view(b, h, tq, s).float() * dh**-0.5  # [B,H,Tq,S]
+    keys = k.reshape(b * h, s, dh).transpose(1, 2)
+    scale = torch.empty((), dtype=q.dtype, device=q.device).expand(b * h, tq, s)  # beta=0
+    scores = torch.baddbmm(scale, q.reshape(b * h, tq, dh), keys, beta=0, alpha=dh**-0.5)
+    scores = scores.view(b, h, tq, s)  # [B,H,Tq,S], scaled inside the matmul
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
     y = torch.bmm(weights.to(v.dtype).view(b * h, tq, s), v.reshape(b * h, s, dh))
     return y.view(b, h, tq, dh), weights  # [B,H,Tq,S] @ [B,H,S,Dh] -> [B,H,Tq,Dh]
 
