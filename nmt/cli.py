@@ -269,6 +269,9 @@ def translate(
     batch_tokens: int | None = typer.Option(
         None, "--batch-tokens", help="Source tokens x beam per batch."
     ),
+    workers: int | None = typer.Option(
+        None, "--workers", help="Batches decoded at once on CPU (0 = auto: 2 with 2+ threads)."
+    ),
     precision: str | None = typer.Option(None, "--precision", help="fp32, bf16, fp16 or auto."),
     max_len_a: float | None = typer.Option(None, "--max-len-a"),
     max_len_b: int | None = typer.Option(None, "--max-len-b"),
@@ -312,6 +315,7 @@ def translate(
             "beam": beam,
             "nbest": nbest,
             "batch_tokens": batch_tokens,
+            "workers": workers,
             "precision": precision,
             "max_len_a": max_len_a,
             "max_len_b": max_len_b,
@@ -339,7 +343,7 @@ def translate(
 
     def emit(lines: list[str], sink) -> None:
         results = translate_lines(
-            loaded.model, loaded.tokenizer, lines, opts, d.batch_tokens, dev, prec, tick
+            loaded.model, loaded.tokenizer, lines, opts, d.batch_tokens, dev, prec, tick, d.workers
         )
         for i, nbest_list in enumerate(results):
             if d.nbest > 1:

@@ -194,6 +194,7 @@ class DecodeConfig:
     no_repeat_ngram: int = 0
     ban_unk: bool = False  # never output <unk> (the tokenizer's piece for unseen characters)
     batch_tokens: int = 6000
+    workers: int = 0  # batches decoded at once on CPU, sharing the cores; 0 = auto
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
 
     def __post_init__(self) -> None:
@@ -201,6 +202,7 @@ class DecodeConfig:
         _check(1 <= self.nbest <= self.beam, "decode.nbest", "must be between 1 and decode.beam")
         _check(self.max_len_a >= 0 and self.max_len_b >= 1, "decode.max_len_b", "must be >= 1")
         _check(self.batch_tokens >= 16, "decode.batch_tokens", "must be >= 16")
+        _check(self.workers >= 0, "decode.workers", "must be >= 0 (0 = auto)")
         _check(self.min_len >= 0, "decode.min_len", "must be >= 0")
         _check(
             self.length_penalty >= 0,

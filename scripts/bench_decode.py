@@ -10,11 +10,12 @@ What is measured
   * Sources: the prepared test_2016_flickr split (--split), token ids + EOS, sorted by length
     (stable) and cut into batches of --batch-size sentences (default 64), built once before
     timing; every system decodes the same batches.
-  * nmt: `nmt.search.search` (the search `nmt translate` runs) with the run's (or recipe's)
-    decode settings, beam --beam (default 5) or greedy, under torch.no_grad and autocast. It
-    runs in inference mode on the model's weights packed for oneDNN. Like `nmt translate`,
-    which packs them once per input, the benchmark packs them once (~9 ms for the transformer,
-    during warm-up), not once per batch.
+  * nmt: `nmt.evaluate.decode_batches` (what `nmt translate` runs on its batches) with the
+    run's (or recipe's) decode settings, beam --beam (default 5) or greedy, under autocast.
+    It decodes --workers batches at once (default 0 = auto, as `nmt translate`: 2 workers of
+    1 intra-op thread each on 2 threads), in inference mode, on the model's weights packed
+    for oneDNN. Like `nmt translate`, which packs them once per input, the benchmark packs
+    them once (~9 ms for the transformer, during warm-up), not once per batch.
   * --fixed-len N (SearchOptions.fixed_len): every sentence gets exactly N tokens (EOS forbidden
     before), so all systems do identical work whatever the weights. Default N = 20 without
     --run; with --run the default is free decoding (--fixed-len 0), which stops at EOS.
@@ -24,14 +25,18 @@ What is measured
   * Hugging Face: MarianMTModel of the same size (d_model 256, 3+3 layers, 4 heads, FFN 1024,
     joint vocabulary, tied embeddings, max 256 positions, SDPA), random weights,
     generate(num_beams=beam or 1, do_sample=False, min_new_tokens = max_new_tokens), same
-    batches, fp32 and bf16 autocast. Fixed-length mode only (random weights).
+    batches, fp32 and bf16 autocast. Fixed-length mode only (random weights). With
+    --peer-workers 1 2 it is also run 2 batches at once, in threads splitting the intra-op
+    threads as nmt's workers do (a row per value; ratios are given for each).
   * CTranslate2: that Marian model saved to a temporary directory and converted with
     ctranslate2.converters.TransformersConverter (the tokenizer it reads is replaced by our
     sentencepiece vocabulary; the model gets one extra vocabulary row, which the Marian converter
-    removes as Marian's <pad>), Translator(intra_threads=--threads), translate_batch(source
-    token strings from our tokenizer + </s>, beam_size, min_decoding_length =
-    max_decoding_length, max_batch_size = --batch-size). Compute types: float32, and bfloat16
-    only where CTranslate2 supports it on this CPU (it is skipped with a note otherwise).
+    removes as Marian's <pad>), Translator(inter_threads = W from --peer-workers, intra_threads =
+    --threads / W), one translate_batch call per pass (source token strings from our tokenizer
+    + </s>, beam_size, min_decoding_length = max_decoding_length, max_batch_size =
+    --batch-size: CTranslate2 sorts by length and cuts batches of that size, as we do, and runs
+    them on its W workers). Compute types: float32, and bfloat16 only where CTranslate2
+    supports it on this CPU (it is skipped with a note otherwise).
   * Timing: --warmup untimed batches, then --repeats full passes over all batches with
     time.perf_counter; sentences/s of the median pass (min and max in the JSON).
 
@@ -87,6 +92,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ct2", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="nmt: batches decoded at once (decode.workers; 0 = auto, as nmt translate)",
+    )
+    p.add_argument(
+        "--peer-workers",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="HF and CTranslate2: batches decoded at once, each value a row (default 1)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke test: 128 sentences, 6 tokens")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
@@ -180,22 +198,45 @@ def make_batches(
     return batches
 
 
-def timed_passes(decode_batch, batches: list, args) -> tuple[list[float], list]:
-    """--warmup untimed batches, then --repeats timed passes; returns times and last outputs."""
-    for k in range(min(args.warmup, len(batches))):
-        decode_batch(batches[k])
+def timed_passes(decode_pass, batches: list, args, workers: int) -> tuple[list[float], list]:
+    """--warmup untimed batches per worker, then --repeats timed passes of decode_pass over
+    all batches; returns the times and the outputs of the last pass."""
+    decode_pass(batches[: args.warmup * workers])
     times, outputs = [], []
     for _ in range(args.repeats):
-        outputs = []
         t0 = time.perf_counter()
-        for b in batches:
-            outputs.append(decode_batch(b))
+        outputs = decode_pass(batches)
         times.append(time.perf_counter() - t0)
     return times, outputs
 
 
+def in_workers(decode_batch, workers: int):
+    """A pass function decoding `workers` batches at once in threads that split torch's
+    intra-op threads between them (what nmt's decode_batches does), or one at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nmt.evaluate import intra_op_threads
+
+    def decode_pass(batches: list) -> list:
+        if workers == 1:
+            return [decode_batch(b) for b in batches]
+        with intra_op_threads(max(1, torch.get_num_threads() // workers)):
+            with ThreadPoolExecutor(workers) as pool:
+                return list(pool.map(decode_batch, batches))
+
+    return decode_pass
+
+
 def row_of(
-    system: str, name: str, mode: str, precision: str, times: list[float], n: int, steps, out_len
+    system: str,
+    name: str,
+    mode: str,
+    precision: str,
+    workers: int,
+    times: list[float],
+    n: int,
+    steps,
+    out_len,
 ) -> dict:
     med = bu.median(times)
     row = {
@@ -203,6 +244,7 @@ def row_of(
         "model": name,
         "mode": mode,
         "precision": precision,
+        "workers": workers,
         "sentences": n,
         "decoder_steps": steps,
         "mean_output_tokens": out_len,
@@ -211,15 +253,13 @@ def row_of(
         "sentences_per_s_max": n / min(times),
         "pass_seconds": times,
     }
-    print(f"  {system} {name} {mode} {precision}: {row['sentences_per_s']:,.1f} sent/s")
+    print(f"  {system} {name} {mode} {precision} x{workers}: {row['sentences_per_s']:,.1f} sent/s")
     return row
 
 
 def bench_nmt(subject: Subject, mode: str, precision: str, args) -> dict:
-    from nmt.device import autocast
-    from nmt.evaluate import search_options
+    from nmt.evaluate import decode_batches, decode_workers, search_options
     from nmt.models.layers import packed_weights
-    from nmt.search import search
 
     opts = search_options(
         subject.cfg.decode,
@@ -231,13 +271,12 @@ def bench_nmt(subject: Subject, mode: str, precision: str, args) -> dict:
     device = torch.device("cpu")
     model = subject.model.eval()
 
-    def decode(b):
-        _, src = b
-        with torch.no_grad(), autocast(device, precision):
-            return search(model, src, src != 0, opts)
+    def decode_pass(bs):
+        return decode_batches(model, [src for _, src in bs], opts, device, precision, args.workers)
 
+    workers = decode_workers(args.workers, device, len(batches))
     with packed_weights(model):
-        times, outputs = timed_passes(decode, batches, args)
+        times, outputs = timed_passes(decode_pass, batches, args, workers)
     lengths = [len(h[0].tokens) if h else 0 for out in outputs for h in out]
     steps = args.fixed_len + 1 if args.fixed_len else None
     return row_of(
@@ -245,6 +284,7 @@ def bench_nmt(subject: Subject, mode: str, precision: str, args) -> dict:
         subject.name,
         mode,
         precision,
+        workers,
         times,
         len(subject.sources),
         steps,
@@ -256,7 +296,7 @@ def other_tokens(args) -> int:
     return args.fixed_len + 1 if args.match == "steps" else args.fixed_len
 
 
-def bench_hf(model, subject: Subject, mode: str, precision: str, args) -> dict:
+def bench_hf(model, subject: Subject, mode: str, precision: str, workers: int, args) -> dict:
     from nmt.device import autocast
 
     new = other_tokens(args)
@@ -276,10 +316,10 @@ def bench_hf(model, subject: Subject, mode: str, precision: str, args) -> dict:
         with torch.no_grad(), autocast(device, precision):
             return model.generate(input_ids=src, attention_mask=(src != 0).long(), **kwargs)
 
-    times, outputs = timed_passes(decode, batches, args)
+    times, outputs = timed_passes(in_workers(decode, workers), batches, args, workers)
     out_len = float(np.mean([o.size(1) - 1 for o in outputs]))  # minus the decoder start token
     return row_of(
-        "hf-generate", "marian", mode, precision, times, len(subject.sources), new, out_len
+        "hf-generate", "marian", mode, precision, workers, times, len(subject.sources), new, out_len
     )
 
 
@@ -307,7 +347,9 @@ def convert_ct2(cfg, tokenizer, seed: int, workdir: Path) -> Path:
     return out
 
 
-def bench_ct2(model_dir: Path, subject: Subject, mode: str, compute_type: str, args) -> dict:
+def bench_ct2(
+    model_dir: Path, subject: Subject, mode: str, compute_type: str, workers: int, args
+) -> dict:
     import ctranslate2
 
     new = other_tokens(args)
@@ -315,29 +357,40 @@ def bench_ct2(model_dir: Path, subject: Subject, mode: str, compute_type: str, a
         str(model_dir),
         device="cpu",
         compute_type=compute_type,
-        intra_threads=args.threads,
-        inter_threads=1,
+        intra_threads=max(1, args.threads // workers),
+        inter_threads=workers,
     )
     pieces = [subject.tokenizer.src_pieces(t.strip()) + ["</s>"] for t in subject.texts]
     batches = [
         [pieces[i] for i in idx] for idx, _ in make_batches(subject.sources, args.batch_size)
     ]
 
-    def decode(b):
-        return translator.translate_batch(
-            b,
+    def decode_pass(bs):
+        # One call: CTranslate2 runs the batches (of max_batch_size, length-sorted as ours)
+        # on its inter_threads workers.
+        results = translator.translate_batch(
+            [p for b in bs for p in b],
             max_batch_size=args.batch_size,
             beam_size=args.beam if mode == "beam" else 1,
             min_decoding_length=new,
             max_decoding_length=new,
             length_penalty=1.0,
         )
+        return [results]
 
-    times, outputs = timed_passes(decode, batches, args)
+    times, outputs = timed_passes(decode_pass, batches, args, workers)
     out_len = float(np.mean([len(r.hypotheses[0]) for out in outputs for r in out]))
     precision = {"float32": "fp32", "bfloat16": "bf16"}.get(compute_type, compute_type)
     return row_of(
-        "ctranslate2", "marian", mode, precision, times, len(subject.sources), new, out_len
+        "ctranslate2",
+        "marian",
+        mode,
+        precision,
+        workers,
+        times,
+        len(subject.sources),
+        new,
+        out_len,
     )
 
 
@@ -377,7 +430,8 @@ def main(argv: list[str] | None = None) -> dict:
         model = bu.build_marian(cfg, transformer.tokenizer.tgt.get_piece_size(), args.seed).eval()
         for mode in args.modes:
             for precision in args.precisions:
-                rows.append(bench_hf(model, transformer, mode, precision, args))
+                for workers in args.peer_workers:
+                    rows.append(bench_hf(model, transformer, mode, precision, workers, args))
         del model
         gc.collect()
     if use_ct2:
@@ -395,7 +449,8 @@ def main(argv: list[str] | None = None) -> dict:
             )
             for mode in args.modes:
                 for ct in types:
-                    rows.append(bench_ct2(model_dir, transformer, mode, ct, args))
+                    for workers in args.peer_workers:
+                        rows.append(bench_ct2(model_dir, transformer, mode, ct, workers, args))
 
     ratios = []
     for row in rows:
@@ -406,18 +461,31 @@ def main(argv: list[str] | None = None) -> dict:
             or transformer.arch != "transformer"
         ):
             continue
-        entry = {"mode": row["mode"], "precision": row["precision"], "nmt": row["sentences_per_s"]}
-        for system, key in (("hf-generate", "hf"), ("ctranslate2", "ct2")):
-            same = [r for r in rows if r["system"] == system and r["mode"] == row["mode"]]
-            match = next((r for r in same if r["precision"] == row["precision"]), None)
-            if match is None and system == "ctranslate2":
-                match = next((r for r in same if r["precision"] == "fp32"), None)
-            if match:
-                entry[key] = match["sentences_per_s"]
-                entry[f"{key}_precision"] = match["precision"]
-                entry[f"nmt_over_{key}"] = row["sentences_per_s"] / match["sentences_per_s"]
-        if len(entry) > 3:
-            ratios.append(entry)
+        for workers in args.peer_workers:
+            entry = {
+                "mode": row["mode"],
+                "precision": row["precision"],
+                "nmt": row["sentences_per_s"],
+                "nmt_workers": row["workers"],
+                "peer_workers": workers,
+            }
+            for system, key in (("hf-generate", "hf"), ("ctranslate2", "ct2")):
+                same = [
+                    r
+                    for r in rows
+                    if r["system"] == system
+                    and r["mode"] == row["mode"]
+                    and r["workers"] == workers
+                ]
+                match = next((r for r in same if r["precision"] == row["precision"]), None)
+                if match is None and system == "ctranslate2":
+                    match = next((r for r in same if r["precision"] == "fp32"), None)
+                if match:
+                    entry[key] = match["sentences_per_s"]
+                    entry[f"{key}_precision"] = match["precision"]
+                    entry[f"nmt_over_{key}"] = row["sentences_per_s"] / match["sentences_per_s"]
+            if len(entry) > 5:
+                ratios.append(entry)
 
     length = f"fixed length {args.fixed_len} tokens" if args.fixed_len else "free decoding (to EOS)"
     bu.print_table(
@@ -427,6 +495,7 @@ def main(argv: list[str] | None = None) -> dict:
             ("model", "model"),
             ("mode", "mode"),
             ("precision", "prec"),
+            ("workers", "workers"),
             ("sentences_per_s", "sent/s"),
             ("sentences_per_s_min", "min"),
             ("sentences_per_s_max", "max"),
@@ -442,7 +511,9 @@ def main(argv: list[str] | None = None) -> dict:
             [
                 ("mode", "mode"),
                 ("precision", "prec"),
+                ("nmt_workers", "nmt workers"),
                 ("nmt", "nmt sent/s"),
+                ("peer_workers", "peer workers"),
                 ("hf", "HF sent/s"),
                 ("nmt_over_hf", "nmt/HF"),
                 ("ct2", "CT2 sent/s"),

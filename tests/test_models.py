@@ -372,6 +372,33 @@ def test_decoding_on_packed_weights_equals_the_autograd_path(variant):
     torch.save(model, io.BytesIO())
 
 
+def test_packed_weights_scopes_from_several_threads():
+    """Decoding workers open and close scopes on one model at once (nmt.evaluate
+    decode_batches); every map ends outside any scope, its packed copies dropped."""
+    import threading
+
+    arch, cfg = VARIANTS["transformer-pre"]
+    model = build_model(arch, cfg, VOCAB).eval()
+    src = torch.randint(4, V, (3, 6))
+    with torch.inference_mode():
+        expected = model(src, src != PAD_ID, src)
+
+    def work(results: list) -> None:
+        for _ in range(30):
+            with torch.inference_mode(), packed_weights(model):
+                results.append(torch.allclose(model(src, src != PAD_ID, src), expected, atol=1e-5))
+
+    results: list = []
+    threads = [threading.Thread(target=work, args=(results,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 120
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m._packing == 0 and m._packed is None for m in layers)
+
+
 def test_packed_weights_last_for_their_scope_only():
     torch.manual_seed(0)
     layer = Linear(16, 24)

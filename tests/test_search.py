@@ -17,8 +17,9 @@ from conftest import tiny_run
 
 from nmt.config import DecodeConfig
 from nmt.data.prepare import prepare
-from nmt.evaluate import load_model, search_options
+from nmt.evaluate import decode_ids, decode_workers, load_model, search_options
 from nmt.models.base import StepOutput
+from nmt.models.layers import PackedInference
 from nmt.search import (
     SearchOptions,
     beam_search,
@@ -392,3 +393,76 @@ def test_topk_candidates_equals_torch_topk(n, w, cols, k):
         assert torch.equal(index[real], expected.indices[real])
         if k == 1:
             assert torch.equal(index[real, 0], cand[real].argmax(1))
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_parallel_workers_decode_as_one(trained, beam):
+    """Two workers (two batches at once, in threads) give exactly what one gives, in input
+    order, report every sentence once to the progress callback, and leave torch's thread
+    count and the model's packed weights as they were."""
+    model, sources = trained.model, trained.sources[:60]
+    opts = SearchOptions(beam=beam, nbest=beam)
+    one = decode_ids(model, sources, opts, 40 * beam, CPU, "fp32", workers=1)
+    done: list[int] = []
+    two = decode_ids(model, sources, opts, 40 * beam, CPU, "fp32", done.append, workers=2)
+    assert len(done) >= 8 and sum(done) == len(sources)  # many batches
+    assert [[h.tokens for h in n] for n in two] == [[h.tokens for h in n] for n in one]
+    assert [[h.logprob for h in n] for n in two] == [[h.logprob for h in n] for n in one]
+    assert torch.get_num_threads() == 1
+    assert all(m._packed is None for m in model.modules() if isinstance(m, PackedInference))
+
+
+def test_parallel_workers_split_the_threads(transformer):
+    """With 2 threads, 2 workers of 1 thread each decode the tokens 1 worker of 2 threads does;
+    afterwards torch has its 2 threads again."""
+    model, sources = transformer.model, transformer.sources[:40]
+    opts = SearchOptions(beam=3)
+    torch.set_num_threads(2)
+    try:
+        assert decode_workers(0, CPU, 10) == 2
+        one = decode_ids(model, sources, opts, 150, CPU, "fp32", workers=1)
+        two = decode_ids(model, sources, opts, 150, CPU, "fp32", workers=0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+    assert tokens_of(two) == tokens_of(one)
+    for a, b in zip(one, two):
+        assert a[0].logprob == pytest.approx(b[0].logprob, abs=1e-4)
+
+
+def test_decode_workers():
+    assert decode_workers(0, CPU, 10) == 1  # auto with 1 intra-op thread (this module's)
+    assert decode_workers(3, CPU, 10) == 3  # asked for: kept, even beyond the threads
+    assert decode_workers(4, CPU, 2) == 2  # never more than there are batches
+    assert (
+        decode_workers(0, torch.device("cuda"), 10)
+        == decode_workers(2, torch.device("mps"), 9)
+        == 1
+    )
+
+
+class FailsOnLongSources(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, longest: int) -> None:
+        super().__init__()
+        self.model, self.longest = model, longest
+
+    def encode(self, src, src_mask):
+        if src.size(1) > self.longest:
+            raise RuntimeError("a batch failed")
+        return self.model.encode(src, src_mask)
+
+    def init_state(self, memory):
+        return self.model.init_state(memory)
+
+    def step(self, prev, state):
+        return self.model.step(prev, state)
+
+
+def test_a_failing_batch_ends_parallel_decoding_with_its_error(transformer):
+    model = FailsOnLongSources(transformer.model, 12)
+    with pytest.raises(RuntimeError, match="a batch failed"):
+        decode_ids(
+            model, transformer.sources[:60], SearchOptions(beam=2), 60, CPU, "fp32", workers=2
+        )
+    assert torch.get_num_threads() == 1
+    assert all(m._packed is None for m in model.modules() if isinstance(m, PackedInference))

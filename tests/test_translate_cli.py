@@ -606,6 +606,20 @@ def test_translate_refuses_option_values_it_cannot_honour(run, args, fragment):
     assert fragment in one_line_error(nmt_cli("translate", run, *args, stdin="A man.\n"))
 
 
+def test_translate_with_parallel_workers_equals_one_worker(run, multi30k_dir):
+    """--workers 2 decodes two batches at once (small batches: many of them); the output is
+    the same, line for line, as with one worker."""
+    lines = read_gz_lines(multi30k_dir / "val.en.gz")[:48]
+    lines[7] = ""
+    stdin = "\n".join(lines) + "\n"
+    args = ("translate", run, "--batch-tokens", "200", "--scores", *FP32)
+    one = ok(nmt_cli(*args, "--workers", "1", stdin=stdin)).stdout
+    two = ok(nmt_cli(*args, "--workers", "2", stdin=stdin)).stdout
+    assert len(out_lines(two)) == len(lines) and out_lines(two)[7] == ""
+    assert two == one
+    assert "decode.workers" in one_line_error(nmt_cli(*args, "--workers", "-1", stdin=stdin))
+
+
 def test_nbest_output_keeps_an_entry_for_every_input_line(run, english):
     rows = out_lines(
         ok(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -97,24 +98,27 @@ class PackedInference:
     """
 
     _packing = 0  # depth of the enclosing packed_weights scopes
-    _packed: dict | None = None  # dtype -> (weight, bias) packed, or None where packing failed
+    _packed: dict | None = None  # in a scope: dtype -> (weight, bias) packed, or None (failed)
 
     def packed_linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        dtype = packed_dtype(x) if self._packing else None
+        cache = self._packed  # read once: decoding threads share it (see decode_batches)
+        dtype = packed_dtype(x) if cache is not None else None
         if dtype is None:
             return F.linear(x, weight, bias)
-        if self._packed is None:
-            self._packed = {}
-        if dtype not in self._packed:
+        if dtype not in cache:  # two threads may both pack; one result is kept
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), PACK_ROWS)
-                self._packed[dtype] = (packed, None if bias is None else bias.to(dtype))
+                entry = (packed, None if bias is None else bias.to(dtype))
             except (AttributeError, RuntimeError):  # a torch build without this op
-                self._packed[dtype] = None
-        if self._packed[dtype] is None:
+                entry = None
+            cache.setdefault(dtype, entry)
+        if cache[dtype] is None:
             return F.linear(x, weight, bias)
-        packed, packed_bias = self._packed[dtype]
+        packed, packed_bias = cache[dtype]
         return torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed, packed_bias, "none", [], "")
+
+
+_scopes = threading.Lock()  # packed_weights scopes may open and close in several threads
 
 
 @contextlib.contextmanager
@@ -123,15 +127,19 @@ def packed_weights(model: nn.Module) -> Iterator[None]:
     maps pack their weights at first use and keep them until the outermost scope ends, so
     no optimizer step or state dict load can leave a stale copy behind."""
     layers = [m for m in model.modules() if isinstance(m, PackedInference)]
-    for m in layers:
-        m._packing += 1
+    with _scopes:
+        for m in layers:
+            m._packing += 1
+            if m._packed is None:
+                m._packed = {}
     try:
         yield
     finally:
-        for m in layers:
-            m._packing -= 1
-            if not m._packing:
-                m._packed = None
+        with _scopes:
+            for m in layers:
+                m._packing -= 1
+                if not m._packing:
+                    m._packed = None
 
 
 class Linear(PackedInference, nn.Linear):
@@ -187,11 +195,11 @@ class Positions(nn.Module):
         # On CPU the encodings come from a table: the formula's eight small ops took 0.12 ms
         # of a 26 ms beam-5 decoding step, a row lookup 5 us. Same values (elementwise ops).
         n = int(positions.max()) + 1
-        if self._sinusoids is None or self._sinusoids.size(0) < n:
-            size = max(n, 2 * (0 if self._sinusoids is None else self._sinusoids.size(0)), 64)
-            self._sinusoids = sinusoidal(torch.arange(size), self.dim)
-        rows = self._sinusoids.index_select(0, positions.flatten())
-        return rows.view(*positions.shape, self.dim)
+        table = self._sinusoids  # read once: decoding threads share it
+        if table is None or table.size(0) < n:
+            size = max(n, 2 * (0 if table is None else table.size(0)), 64)
+            table = self._sinusoids = sinusoidal(torch.arange(size), self.dim)
+        return table.index_select(0, positions.flatten()).view(*positions.shape, self.dim)
 
 
 def _lstm_needs_fp32() -> bool:
