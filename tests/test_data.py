@@ -444,6 +444,30 @@ def test_a_local_copy_is_checked_against_the_published_checksums(
     assert f"expected {MULTI30K.sha256['train.en.gz'][:12]}" in record.message
 
 
+def test_an_edited_local_copy_is_prepared_again(tmp_path, monkeypatch, multi30k_dir):
+    """The prepared-data key sees the content of a local copy: the published files keep the
+    key they have when downloaded (or read from $NMT_DATA_DIR), an edited file gets a new key,
+    so the edit is prepared, not hidden behind the cache of the original."""
+    data = {"limit_train": N_TRAIN, "limit_valid": N_VALID, "test": ["test_2016_flickr"]}
+    published = prepared_dir(make_cfg({**data, "cache_dir": str(tmp_path / "cache")}))
+    monkeypatch.delenv("NMT_DATA_DIR")
+    copy = mirror(tmp_path / "copy", multi30k_dir)
+    data.update({"local_dir": str(copy), "cache_dir": str(tmp_path / "cache")})
+    data["download_url"] = f"http://127.0.0.1:{closed_port()}"
+    first = prepare(make_cfg(data))
+    assert first.dir == published  # the published files, read from elsewhere
+    val = gz_lines(copy / "val.de.gz")
+    write_lines(copy / "val.de.gz", ["Ein ganz anderer Satz.", *val[1:]])
+    assert prepared_dir(make_cfg(data)) != first.dir
+    second = prepare(make_cfg(data))
+    assert not second.reused and second.dir != first.dir
+    assert second.split("valid").texts("tgt")[0] == "Ein ganz anderer Satz."
+    assert first.split("valid").texts("tgt")[0] == val[0].strip()  # the original's cache stays
+    assert prepare(make_cfg(data)).reused  # and the edit, once prepared, is reused
+    shutil.copyfile(multi30k_dir / "val.de.gz", copy / "val.de.gz")  # back to the published file
+    assert prepared_dir(make_cfg(data)) == first.dir
+
+
 def _corrupt(directory: Path) -> None:
     data = bytearray((directory / "train.en.gz").read_bytes())
     data[len(data) // 2] ^= 0xFF

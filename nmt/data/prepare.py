@@ -23,7 +23,14 @@ import yaml
 from nmt import NMTError
 from nmt.config import Config, DataConfig
 from nmt.data.batching import EncodedSplit
-from nmt.data.sources import CORPORA, _fingerprint, _resolve_text, cache_root, load_split
+from nmt.data.sources import (
+    CORPORA,
+    _fingerprint,
+    _resolve_text,
+    cache_root,
+    edited_local_files,
+    load_split,
+)
 from nmt.data.tokenizer import Encoder, Tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
@@ -88,10 +95,18 @@ def _input_files(cfg: DataConfig) -> list[Path]:
 
 
 def prepared_dir(cfg: Config) -> Path:
+    """The cache folder of a config's prepared data: its data and tokenizer settings, plus
+    the state of the input files (path, size, modification time of text/TSV/JSONL files and
+    local hub datasets; the content of a named corpus' local copy where it is not the
+    published one), so edited inputs are prepared again."""
     key = cfg.data_key()
-    files = _input_files(cfg.data)
-    if files:
-        key = hashlib.sha256((key + _fingerprint(*files)).encode()).hexdigest()[:16]
+    if cfg.data.source in CORPORA:
+        inputs = edited_local_files(cfg.data, split_names(cfg.data).values())
+    else:
+        files = _input_files(cfg.data)
+        inputs = _fingerprint(*files) if files else ""
+    if inputs:
+        key = hashlib.sha256((key + inputs).encode()).hexdigest()[:16]
     return cache_root(cfg.data) / "prepared" / key
 
 

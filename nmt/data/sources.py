@@ -9,6 +9,7 @@ against the same checksums: a copy that differs is used, with a warning).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import hashlib
 import json
@@ -19,7 +20,7 @@ import tempfile
 import urllib.error
 import urllib.request
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -271,6 +272,49 @@ def download(url: str, dest: Path, sha256: str) -> None:
             os.unlink(tmp)
 
 
+def local_copy(cfg: DataConfig) -> Path | None:
+    """The folder of a named corpus' local copy (data.local_dir, else $NMT_DATA_DIR/<corpus>);
+    None when its files are downloaded."""
+    if cfg.local_dir:
+        return Path(cfg.local_dir)
+    if os.environ.get("NMT_DATA_DIR"):
+        return Path(os.environ["NMT_DATA_DIR"]) / cfg.source
+    return None
+
+
+def _file_sha256(path: Path) -> str:
+    st = path.stat()
+    return _sha256_of(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=512)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a file, hashed again only when its size or modification time changes."""
+    del size, mtime_ns  # the cache key
+    return _sha256(Path(path))
+
+
+def edited_local_files(cfg: DataConfig, splits: Iterable[str]) -> str:
+    """What tells a named corpus' local copy from the published files, for the prepared-data
+    key: the name and sha256 of every file of `splits` (source and target) that is not the
+    published one; "" when all are (or the files come from verified downloads), so the
+    published data has one key wherever it is read from. Missing files and unknown names
+    are left to `corpus_file` to report."""
+    corpus, local = CORPORA[cfg.source], local_copy(cfg)
+    if local is None:
+        return ""
+    edited = []
+    for split in splits:
+        for lang in (cfg.src, cfg.tgt):
+            name = f"{split}.{lang}.gz"
+            path = local / name
+            if name in corpus.sha256 and path.is_file():
+                digest = _file_sha256(path)
+                if digest != corpus.sha256[name]:
+                    edited.append(f"{name}:{digest}")
+    return "|".join(edited)
+
+
 def corpus_file(cfg: DataConfig, split: str, lang: str) -> Path:
     """Path of a named corpus file: local copy if configured, else a verified download."""
     corpus = CORPORA[cfg.source]
@@ -284,19 +328,15 @@ def corpus_file(cfg: DataConfig, split: str, lang: str) -> Path:
             f"{', '.join(corpus.splits[split])}"
         )
     name = f"{split}.{lang}.gz"
-    local = cfg.local_dir or (
-        str(Path(os.environ["NMT_DATA_DIR"]) / cfg.source)
-        if os.environ.get("NMT_DATA_DIR")
-        else None
-    )
+    local = local_copy(cfg)
     if local:
-        path = Path(local) / name
+        path = local / name
         if not path.is_file():
             raise NMTError(
                 f"file not found: {path}; the local copy of {cfg.source} (data.local_dir or "
                 f"$NMT_DATA_DIR/{cfg.source}) must hold {name}"
             )
-        actual, expected = _sha256(path), corpus.sha256[name]
+        actual, expected = _file_sha256(path), corpus.sha256[name]
         if actual != expected:  # a slice or an edited copy may be intended: say so, go on
             log.warning(
                 f"{path} is not the published {cfg.source} {name} (sha256 {actual[:12]}..., "
