@@ -92,8 +92,8 @@ def attend_step(
     b, h, tq, dh = q.shape
     s = k.size(2)
     keys = k.reshape(b * h, s, dh).transpose(1, 2)
-    scale = torch.empty((), dtype=q.dtype, device=q.device).expand(b * h, tq, s)  # beta=0
-    scores = torch.baddbmm(scale, q.reshape(b * h, tq, dh), keys, beta=0, alpha=dh**-0.5)
+    ignored = torch.empty((), dtype=q.dtype, device=q.device).expand(b * h, tq, s)  # beta=0
+    scores = torch.baddbmm(ignored, q.reshape(b * h, tq, dh), keys, beta=0, alpha=dh**-0.5)
     scores = scores.view(b, h, tq, s)  # [B,H,Tq,S], scaled inside the matmul
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
