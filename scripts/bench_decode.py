@@ -37,8 +37,8 @@ What is measured
     --batch-size: CTranslate2 sorts by length and cuts batches of that size, as we do, and runs
     them on its W workers). Compute types: float32, and bfloat16 only where CTranslate2
     supports it on this CPU (it is skipped with a note otherwise).
-  * Timing: --warmup untimed batches, then --repeats full passes over all batches with
-    time.perf_counter; sentences/s of the median pass (min and max in the JSON).
+  * Timing: --warmup untimed batches per worker, then --repeats full passes over all batches
+    with time.perf_counter; sentences/s of the median pass (min and max in the JSON).
 
 Commands:
   NMT_DATA_DIR=../shared/data NMT_CACHE_DIR=/tmp/nmtcache \\
