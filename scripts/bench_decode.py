@@ -399,6 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
     bu.setup_torch(args.threads)
     bu.default_env()
     bu.warn_if_busy()
+    machine = bu.machine_info()  # before the runs: CTranslate2 changes the thread count
     notes: list[str] = []
     subjects = load_subjects(args)
     rows: list[dict] = []
@@ -527,7 +528,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "benchmark": "bench_decode",
         "args": vars(args),
-        "machine": bu.machine_info(),
+        "machine": machine,
         "notes": notes,
         "rows": rows,
         "ratios": ratios,
