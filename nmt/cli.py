@@ -632,15 +632,14 @@ def _click_errors() -> tuple[type[Exception], ...]:
 def main() -> None:
     _setup_logging(verbose=bool(os.environ.get("NMT_DEBUG")))
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)
     except NMTError as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
-    except typer.Abort:
-        err.print("aborted")
-        sys.exit(130)
+    except (typer.Abort, KeyboardInterrupt):  # older typer turns Ctrl-C into Abort
+        code = 130
     except typer.Exit as e:
-        sys.exit(e.exit_code)
+        code = e.exit_code
     except _click_errors() as e:
         e.show()
         sys.exit(2 if e.exit_code in (1, 2) else e.exit_code)
@@ -650,6 +649,12 @@ def main() -> None:
         where = f": {e.filename}" if e.filename else ""
         err.print(f"[bold red]error:[/] {escape(e.strerror + where)}", highlight=False)
         sys.exit(2)
+    # Without standalone mode typer returns the code of a typer.Exit (130 for Ctrl-C, which it
+    # turns into Exit(130)) instead of exiting: a returned code is the process' exit code.
+    if code == 130:
+        err.print("interrupted")
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

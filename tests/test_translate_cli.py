@@ -12,8 +12,10 @@ import pickle
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -618,6 +620,33 @@ def test_translate_with_parallel_workers_equals_one_worker(run, multi30k_dir):
     assert len(out_lines(two)) == len(lines) and out_lines(two)[7] == ""
     assert two == one
     assert "decode.workers" in one_line_error(nmt_cli(*args, "--workers", "-1", stdin=stdin))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ctrl_c_exits_130_and_writes_nothing(run, multi30k_dir, tmp_path, workers):
+    """Ctrl-C while translating a file: exit code 130 and one line saying so (typer returned
+    exit code 0 for it), no output file and no temporary file left."""
+    src, out = tmp_path / "in.en", tmp_path / "out.de"
+    src.write_text("\n".join(read_gz_lines(multi30k_dir / "train.en.gz")[:3000]) + "\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["translate", run, "--input", src, "--output", out, "--workers", workers, *FP32]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nmt", *map(str, args)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    tmp = out.with_name(f".{out.name}.tmp")
+    deadline = time.monotonic() + 120
+    while not tmp.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # the output is opened just before decoding starts
+    assert tmp.exists(), "translation finished or failed before it could be interrupted"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1] == "interrupted" and "Traceback" not in stderr
+    assert not out.exists() and not tmp.exists()
 
 
 def test_nbest_output_keeps_an_entry_for_every_input_line(run, english):
