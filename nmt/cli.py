@@ -7,6 +7,7 @@ import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -629,8 +630,18 @@ def _click_errors() -> tuple[type[Exception], ...]:
     return tuple(found)
 
 
+_terminated: list[int] = []
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM stops a command as Ctrl-C does, so files being written are cleaned up."""
+    _terminated.append(signum)
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     _setup_logging(verbose=bool(os.environ.get("NMT_DEBUG")))
+    signal.signal(signal.SIGTERM, _on_sigterm)  # training installs its own handler meanwhile
     try:
         code = app(standalone_mode=False)
     except NMTError as e:
@@ -652,7 +663,8 @@ def main() -> None:
     # Without standalone mode typer returns the code of a typer.Exit (130 for Ctrl-C, which it
     # turns into Exit(130)) instead of exiting: a returned code is the process' exit code.
     if code == 130:
-        err.print("interrupted")
+        err.print("terminated" if _terminated else "interrupted")
+        code = 128 + _terminated[0] if _terminated else code
     if isinstance(code, int) and code:
         sys.exit(code)
 

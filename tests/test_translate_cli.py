@@ -622,10 +622,20 @@ def test_translate_with_parallel_workers_equals_one_worker(run, multi30k_dir):
     assert "decode.workers" in one_line_error(nmt_cli(*args, "--workers", "-1", stdin=stdin))
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_ctrl_c_exits_130_and_writes_nothing(run, multi30k_dir, tmp_path, workers):
-    """Ctrl-C while translating a file: exit code 130 and one line saying so (typer returned
-    exit code 0 for it), no output file and no temporary file left."""
+@pytest.mark.parametrize(
+    "sig, workers, code, message",
+    [
+        (signal.SIGINT, 1, 130, "interrupted"),
+        (signal.SIGINT, 2, 130, "interrupted"),
+        (signal.SIGTERM, 2, 143, "terminated"),
+    ],
+)
+def test_interrupted_translation_exits_128_plus_signal_and_writes_nothing(
+    run, multi30k_dir, tmp_path, sig, workers, code, message
+):
+    """Ctrl-C (SIGINT) or SIGTERM while translating a file: exit code 128 + signal and one
+    line saying so (typer returned exit code 0 for Ctrl-C; SIGTERM killed the process and left
+    its temporary file), no output file and no temporary file left."""
     src, out = tmp_path / "in.en", tmp_path / "out.de"
     src.write_text("\n".join(read_gz_lines(multi30k_dir / "train.en.gz")[:3000]) + "\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -642,10 +652,10 @@ def test_ctrl_c_exits_130_and_writes_nothing(run, multi30k_dir, tmp_path, worker
         time.sleep(0.05)  # the output is opened just before decoding starts
     assert tmp.exists(), "translation finished or failed before it could be interrupted"
     time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr
-    assert stderr.strip().splitlines()[-1] == "interrupted" and "Traceback" not in stderr
+    assert proc.returncode == code, stderr
+    assert stderr.strip().splitlines()[-1] == message and "Traceback" not in stderr
     assert not out.exists() and not tmp.exists()
 
 
