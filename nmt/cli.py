@@ -4,6 +4,7 @@ progress bars and tables."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import os
@@ -31,6 +32,30 @@ out = Console()
 for _console in (err, out):  # logs and pipes: wide enough for the comparison tables
     if not _console.is_terminal and "COLUMNS" not in os.environ:
         _console.width = 160
+
+_terminated: list[int] = []
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    _terminated.append(signum)
+    raise KeyboardInterrupt
+
+
+def _sigterm_as_ctrl_c(command):
+    """SIGTERM stops a decoding command as Ctrl-C does (between two torch operations), so the
+    output being written is removed; main() then exits 143. Only for commands whose native
+    calls are short: elsewhere SIGTERM keeps its default (training has its own handler)."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        before = signal.signal(signal.SIGTERM, _on_sigterm)
+        try:
+            return command(*args, **kwargs)
+        finally:
+            signal.signal(signal.SIGTERM, before)
+
+    return run
+
 
 SET_HELP = "Override a recipe value, e.g. --set train.lr=3e-4 (repeatable)."
 RUN_DIR_HELP = "Run directory (default: runs/<recipe-folder>_<recipe-name>)."
@@ -256,6 +281,7 @@ def _decode_device(device: str):
 
 
 @app.command()
+@_sigterm_as_ctrl_c
 def translate(
     run: Path = typer.Argument(..., help="Run directory or checkpoint file."),
     input: Path | None = typer.Option(None, "--input", "-i", help="Input file (default: stdin)."),
@@ -444,6 +470,7 @@ def _attention_plot(loaded, lines: list[str], opts, dev, prec, path: Path) -> No
 
 
 @app.command()
+@_sigterm_as_ctrl_c
 def evaluate(
     run: Path | None = typer.Argument(None, help="Run directory or checkpoint to translate with."),
     split: str | None = typer.Option(
@@ -630,18 +657,8 @@ def _click_errors() -> tuple[type[Exception], ...]:
     return tuple(found)
 
 
-_terminated: list[int] = []
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    """SIGTERM stops a command as Ctrl-C does, so files being written are cleaned up."""
-    _terminated.append(signum)
-    raise KeyboardInterrupt
-
-
 def main() -> None:
     _setup_logging(verbose=bool(os.environ.get("NMT_DEBUG")))
-    signal.signal(signal.SIGTERM, _on_sigterm)  # training installs its own handler meanwhile
     try:
         code = app(standalone_mode=False)
     except NMTError as e:

@@ -332,13 +332,17 @@ def test_cpu_dropout_is_inverted_dropout_with_rate_p(p, dtype):
 
 
 def test_sinusoidal_positions_come_from_a_table_equal_to_the_formula():
+    """When decoding (no autograd): training computes the formula, never syncing on a max."""
     enc = Positions("sinusoidal", 16, 48)  # max_len bounds learned positions only
-    for positions in (torch.arange(7), torch.tensor([[3, 0], [5, 1]]), torch.tensor([70, 2])):
-        assert torch.equal(enc(positions), sinusoidal(positions, 48))
-    assert enc._sinusoids.size(0) == 128  # grown past 64 rows by doubling
-    far = torch.tensor([5000, 1, 4999])  # beyond any table so far, and any training length
-    assert torch.equal(enc(far), sinusoidal(far, 48))
-    assert enc(torch.zeros(0, dtype=torch.long)).shape == (0, 48)
+    enc(torch.arange(100))
+    assert enc._sinusoids is None
+    with torch.inference_mode():
+        for positions in (torch.arange(7), torch.tensor([[3, 0], [5, 1]]), torch.tensor([70, 2])):
+            assert torch.equal(enc(positions), sinusoidal(positions, 48))
+        assert enc._sinusoids.size(0) == 128  # grown past 64 rows by doubling
+        far = torch.tensor([5000, 1, 4999])  # beyond any table so far, and any training length
+        assert torch.equal(enc(far), sinusoidal(far, 48))
+        assert enc(torch.zeros(0, dtype=torch.long)).shape == (0, 48)
 
 
 def test_cpu_dropout_rate_next_to_one_keeps_a_finite_scale():
