@@ -93,7 +93,7 @@ def attend_step(
     s = k.size(2)
     keys = k.reshape(b * h, s, dh).transpose(1, 2)
     # baddbmm's input, ignored with beta=0 on CPU and CUDA; zeros, not empty memory, because
-    # MPS in torch <= 2.13 computes beta * input anyway (0 * NaN = NaN)
+    # MPS computes beta * input anyway (0 * NaN = NaN; pytorch issues 187521 and 194442)
     ignored = torch.zeros((), dtype=q.dtype, device=q.device).expand(b * h, tq, s)
     scores = torch.baddbmm(ignored, q.reshape(b * h, tq, dh), keys, beta=0, alpha=dh**-0.5)
     scores = scores.view(b, h, tq, s)  # [B,H,Tq,S], scaled inside the matmul
