@@ -100,6 +100,34 @@ def intra_op_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def map_in_workers(
+    fn: Callable[[Any], Any],
+    items: list,
+    workers: int,
+    done: Callable[[Any], None] | None = None,
+) -> list:
+    """[fn(x) for x in items], `workers` items at once in threads that split torch's intra-op
+    threads between them (one at a time for 1); done(x) after each result, in item order.
+    On an error or Ctrl-C the items not started are dropped."""
+    results = []
+    if workers == 1:
+        for x in items:
+            results.append(fn(x))
+            if done:
+                done(x)
+        return results
+    with intra_op_threads(max(1, torch.get_num_threads() // workers)):
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="nmt-decode")
+        try:
+            for x, future in zip(items, [pool.submit(fn, x) for x in items]):
+                results.append(future.result())
+                if done:
+                    done(x)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+    return results
+
+
 def decode_batches(
     model: torch.nn.Module,
     batches: list[Tensor],
@@ -112,41 +140,24 @@ def decode_batches(
     """Search every batch src[B,S] (EOS-terminated, PAD-padded); results in batch order.
 
     On CPU, `workers` batches (`decode_workers`) are decoded at once by threads that share the
-    cores: torch's intra-op threads are split between them (2 threads: 2 workers x 1). Most
-    of a decoding step that is not a matrix product (softmax, top-k, cache copies, Python) runs
-    on one core while the other waits; two batches in flight keep both busy. Beam 5 on the
-    Multi30k-sized transformer, 2 cores, 1,024 sentences in batches of 64, in one process:
-    1 worker x 2 threads 110-113 sentences/s in fp32, 152-165 in bf16; 2 workers x 1 thread
-    122-126 and 196-198, the same outputs (3 workers: 116-123 / 190-196). Each batch is
-    searched as it would be alone; the weights are packed once for all of them.
+    cores (`map_in_workers`: 2 threads give 2 workers x 1). Most of a decoding step that is
+    not a matrix product (softmax, top-k, cache copies, Python) runs on one core while the
+    other waits; two batches in flight keep both busy. Beam 5 on the Multi30k-sized
+    transformer, 2 cores, 1,024 sentences in batches of 64, in one process: 1 worker x 2
+    threads 110-113 sentences/s in fp32, 152-165 in bf16; 2 workers x 1 thread 122-126 and
+    196-198, the same outputs (3 workers: 116-123 / 190-196). Each batch is searched as it
+    would be alone; the weights are packed once for all of them.
     """
     model.eval()
-    n = decode_workers(workers, device, len(batches))
 
     def run(src: Tensor) -> list[list[Hypothesis]]:
         src = src.to(device)
         with autocast(device, precision):  # thread-local, as is search's inference mode
             return search(model, src, src != PAD_ID, opts)
 
-    results: list[list[list[Hypothesis]]] = []
+    done = (lambda src: progress(src.size(0))) if progress else None
     with packed_weights(model):
-        if n == 1:
-            for src in batches:
-                results.append(run(src))
-                if progress:
-                    progress(src.size(0))
-            return results
-        threads = max(1, torch.get_num_threads() // n)
-        with intra_op_threads(threads):
-            pool = ThreadPoolExecutor(n, thread_name_prefix="nmt-decode")
-            try:
-                for src, future in zip(batches, [pool.submit(run, src) for src in batches]):
-                    results.append(future.result())
-                    if progress:
-                        progress(src.size(0))
-            finally:  # on an error or Ctrl-C: the batches not started are dropped
-                pool.shutdown(wait=True, cancel_futures=True)
-    return results
+        return map_in_workers(run, batches, decode_workers(workers, device, len(batches)), done)
 
 
 def decode_ids(

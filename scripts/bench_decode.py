@@ -211,20 +211,10 @@ def timed_passes(decode_pass, batches: list, args, workers: int) -> tuple[list[f
 
 
 def in_workers(decode_batch, workers: int):
-    """A pass function decoding `workers` batches at once in threads that split torch's
-    intra-op threads between them (what nmt's decode_batches does), or one at a time."""
-    from concurrent.futures import ThreadPoolExecutor
+    """A pass function decoding `workers` batches at once, as nmt's decode_batches does."""
+    from nmt.evaluate import map_in_workers
 
-    from nmt.evaluate import intra_op_threads
-
-    def decode_pass(batches: list) -> list:
-        if workers == 1:
-            return [decode_batch(b) for b in batches]
-        with intra_op_threads(max(1, torch.get_num_threads() // workers)):
-            with ThreadPoolExecutor(workers) as pool:
-                return list(pool.map(decode_batch, batches))
-
-    return decode_pass
+    return lambda batches: map_in_workers(decode_batch, batches, workers)
 
 
 def row_of(
