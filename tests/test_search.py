@@ -26,6 +26,7 @@ from nmt.search import (
     force_decode,
     greedy,
     max_lengths,
+    next_logprobs,
     search,
     topk_candidates,
 )
@@ -367,6 +368,25 @@ def test_finished_sentences_leave_the_batch_beam(trained, monkeypatch, eos):
         assert sizes == [width[t] * sum(lim > t for lim in limits) for t in range(max(limits))]
     else:
         assert sizes[-1] < sizes[0]
+
+
+def test_next_logprobs_are_log_softmax_in_fp32():
+    """fp32 logits are overwritten by their log-probs (the search owns a step's output);
+    reduced-precision logits give new fp32 log-probs; logits that need a gradient stay."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    expected = torch.log_softmax(logits, -1)
+    with torch.inference_mode():
+        fp32 = logits.clone()
+        out = next_logprobs(fp32)
+        assert out.data_ptr() == fp32.data_ptr() and torch.equal(out, expected)
+        half = logits.bfloat16()
+        out = next_logprobs(half)
+        assert out.dtype == torch.float32 and torch.equal(
+            out, torch.log_softmax(half, -1, dtype=torch.float32)
+        )
+    leaf = logits.clone().requires_grad_()
+    out = next_logprobs(leaf)
+    assert torch.equal(leaf, logits) and torch.equal(out.detach(), expected)
 
 
 @pytest.mark.parametrize(

@@ -177,11 +177,12 @@ class FeedForward(nn.Module):
         super().__init__()
         self.inner = Linear(dim, ffn_dim)
         self.outer = Linear(ffn_dim, dim)
-        self.act = F.gelu if activation == "gelu" else F.relu
+        self.relu = activation == "relu"
         self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.outer(self.dropout(self.act(self.inner(x))))
+        h = self.inner(x, relu=True) if self.relu else F.gelu(self.inner(x))
+        return self.outer(self.dropout(h))
 
 
 class Residual(nn.Module):
