@@ -9,7 +9,14 @@ import io
 import pytest
 import torch
 
-from nmt.models.base import SOURCE_PREFIX, Vocab, count_parameters, reorder_state
+from nmt.models.base import (
+    CACHE_PREFIX,
+    SOURCE_PREFIX,
+    Vocab,
+    count_parameters,
+    extend_cache,
+    reorder_state,
+)
 from nmt.models.layers import Dropout, Linear, Positions, packed_dtype, packed_weights, sinusoidal
 from nmt.models.registry import ARCHITECTURES, build_model
 from nmt.models.rnn_attention import RNNAttentionConfig
@@ -151,10 +158,16 @@ def test_state_is_batch_first_and_step_does_not_mutate(variant):
         torch.testing.assert_close(v, before[k])
 
 
-def test_reorder_state_serves_beam_expansion(variant):
+@pytest.mark.parametrize("mode", [torch.enable_grad, torch.inference_mode])
+def test_reorder_state_serves_beam_expansion(variant, mode):
     """Hypothesis rows selected by reorder_state (several per sentence, the source side one row
-    per sentence) decode as the selected sentences would on their own."""
-    model = make(variant)
+    per sentence) decode as the selected sentences would on their own; with autograd, and in
+    inference mode (decoding), where caches take their rows in the copy that extends them."""
+    with mode():
+        check_reorder_state(make(variant))
+
+
+def check_reorder_state(model) -> None:
     src, mask, tgt = batch([5, 3, 6], [4, 4, 4])
     state = model.init_state(model.encode(src, mask))
     ref, ref_state = model.step(tgt[:, 0], state)
@@ -167,8 +180,24 @@ def test_reorder_state_serves_beam_expansion(variant):
         torch.testing.assert_close(out.attention, ref.attention[index])
     # A reorder within sentences leaves the source side as it is.
     within = torch.tensor([2, 0, 1, 3, 3, 4])
-    out2, _ = model.step(tgt[:, 1][index][within], reorder_state(out_state, within))
+    reordered = reorder_state(out_state, within)
+    out2, _ = model.step(tgt[:, 1][index][within], reordered)
     torch.testing.assert_close(out2.logits, ref2.logits[index][within])
+    for k, v in reordered.items():  # caches are left for the step to reorder
+        assert (v is out_state[k]) == k.startswith((SOURCE_PREFIX, CACHE_PREFIX)), k
+
+
+@pytest.mark.parametrize("mode", [torch.enable_grad, torch.inference_mode])
+def test_extend_cache_is_select_then_append(mode):
+    g = torch.Generator().manual_seed(0)
+    rows = torch.tensor([2, 0, 0, 1, 2])
+    with mode():
+        for t in (0, 1, 4):
+            cache = torch.randn(3, 2, t, 5, generator=g)
+            new = torch.randn(5, 2, 1, 5, generator=g)
+            out = extend_cache(cache, rows, new, 2)
+            assert torch.equal(out, torch.cat([cache[rows], new], 2))
+            assert out.is_contiguous()
 
 
 def test_source_state_is_constant_over_steps(variant):

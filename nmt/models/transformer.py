@@ -3,8 +3,9 @@
 Attention is softmax(QKᵀ/√d)V: through `torch.nn.functional.scaled_dot_product_attention` over
 whole sequences (training, encoding), written out for the few queries of a decoding step
 (`attend_step`).
-Decoding state: per layer, the self-attention cache `self_k{i}`/`self_v{i}` [N,H,t,Dh] of the N
-hypotheses grows by one position per step; the cross-attention keys/values `src_k{i}`/`src_v{i}`
+Decoding state: per layer, the self-attention cache `cache_k{i}`/`cache_v{i}` [N,H,t,Dh] of the
+N hypotheses grows by one position per step (`rows` says which cache row each hypothesis
+continues, see `nmt.models.base`); the cross-attention keys/values `src_k{i}`/`src_v{i}`
 [B,H,S,Dh] are computed once per sentence in `init_state`, and the hypotheses of a sentence
 query them together.
 """
@@ -19,7 +20,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nmt.models.base import State, StepOutput, hypotheses_per_sentence, source_state
+from nmt.models.base import (
+    CACHE_ROWS,
+    State,
+    StepOutput,
+    extend_cache,
+    hypotheses_per_sentence,
+    source_state,
+)
 from nmt.models.layers import Dropout, Embedding, Linear, OutputProjection, Positions
 
 
@@ -256,16 +264,17 @@ class DecoderLayer(nn.Module):
         x: Tensor,
         cache_k: Tensor,
         cache_v: Tensor,
+        rows: Tensor,
         k: Tensor,
         v: Tensor,
         mask: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """One position x[N,1,D] of N hypotheses against their cache [N,H,t,Dh] and their
-        sentences' source k/v[B,H,S,Dh] -> y, cache_k', cache_v' and the cross-attention
-        weights [N,H,S]."""
+        """One position x[N,1,D] of N hypotheses, which continue the rows `rows` [N] of the
+        cache [M,H,t,Dh], against their sentences' source k/v[B,H,S,Dh] -> y, cache_k' and
+        cache_v' [N,H,t+1,Dh], and the cross-attention weights [N,H,S]."""
         q, k_new, v_new = self.self_attn.project(self.res_self.inner(x))  # [N,H,1,Dh]
-        cache_k = torch.cat([cache_k, k_new], dim=2)  # [N,H,t+1,Dh]
-        cache_v = torch.cat([cache_v, v_new], dim=2)
+        cache_k = extend_cache(cache_k, rows, k_new, 2)  # [N,H,t+1,Dh]
+        cache_v = extend_cache(cache_v, rows, v_new, 2)
         y, _ = attend_step(q, cache_k, cache_v)  # all cached positions are past
         x = self.res_self.outer(x, self.self_attn.out(merge_heads(y)))
         y, weights = self.cross_attn.step(self.res_cross.inner(x), k, v, mask)
@@ -329,24 +338,34 @@ class Transformer(nn.Module):
         mem = memory["memory"]  # [B,S,D]
         b = mem.size(0)
         dh = self.d_model // self.heads
-        state: State = {"src_mask": memory["src_mask"], "pos": mem.new_zeros(b, dtype=torch.long)}
+        state: State = {
+            "src_mask": memory["src_mask"],
+            "pos": mem.new_zeros(b, dtype=torch.long),
+            CACHE_ROWS: torch.arange(b, device=mem.device),
+        }
         for i, layer in enumerate(self.decoder):
             k, v = layer.cross_attn.memory_kv(mem)  # once per sentence
             state[f"src_k{i}"], state[f"src_v{i}"] = k.contiguous(), v.contiguous()
-            state[f"self_k{i}"] = k.new_zeros(b, self.heads, 0, dh)  # empty cache [B,H,0,Dh]
-            state[f"self_v{i}"] = k.new_zeros(b, self.heads, 0, dh)
+            state[f"cache_k{i}"] = k.new_zeros(b, self.heads, 0, dh)  # empty cache [B,H,0,Dh]
+            state[f"cache_v{i}"] = k.new_zeros(b, self.heads, 0, dh)
         return state
 
     def step(self, prev: Tensor, state: State) -> tuple[StepOutput, State]:
-        hypotheses_per_sentence(prev.size(0), state["src_mask"])  # N = B * w rows
-        pos = state["pos"]  # [N]
+        n = prev.size(0)
+        hypotheses_per_sentence(n, state["src_mask"])  # N = B * w rows
+        pos, rows = state["pos"], state[CACHE_ROWS]  # [N]
         x = self.dropout(self.tgt_embed(prev) + self.positions(pos))[:, None, :]  # [N,1,D]
         mask = state["src_mask"][:, None, None, :]  # [B,1,1,S]
-        new_state: State = {**source_state(state), "pos": pos + 1}
+        new_state: State = {
+            **source_state(state),
+            "pos": pos + 1,
+            CACHE_ROWS: torch.arange(n, device=prev.device),
+        }
         for i, layer in enumerate(self.decoder):
+            ck, cv = state[f"cache_k{i}"], state[f"cache_v{i}"]
             k, v = state[f"src_k{i}"], state[f"src_v{i}"]
-            x, ck, cv, weights = layer.step(x, state[f"self_k{i}"], state[f"self_v{i}"], k, v, mask)
-            new_state.update({f"self_k{i}": ck, f"self_v{i}": cv})
+            x, ck, cv, weights = layer.step(x, ck, cv, rows, k, v, mask)
+            new_state.update({f"cache_k{i}": ck, f"cache_v{i}": cv})
         logits = self.output(self.dec_norm(x[:, 0]))  # [N,V]
         attention = weights.mean(1)  # last layer, averaged over heads [N,S]
         return StepOutput(logits, attention), new_state
