@@ -71,6 +71,13 @@ def configure_host() -> None:
       The cost: freed memory is kept, so the heap fragments and stays at its peak. Four
       minutes of the Multi30k transformer recipe (bf16, validating every 150 steps): 3,825
       vs 3,217 tok/s, peak RSS 3.1 vs 2.5 GB.
+    - The same for the arenas of other threads (decoding workers): glibc gives each thread
+      heaps of at most 64 MB and unmaps a heap as soon as it is all free, which the trim
+      threshold does not prevent; a beam-5 step frees its 10 MB of fp32 logits and its caches
+      every time. A top pad of 64 MB keeps those heaps: beam 5 with 2 workers in fp32, 1,024
+      sentences, went from ~250,000 page faults to a few hundred, and from 124.9 to 130.5
+      sentences/s (medians of 6 alternating runs in one process; bf16 193.6 vs 195.6). The
+      pad only reserves address space: pages count in the RSS once touched, as before.
     """
     torch.set_flush_denormal(True)
     if not sys.platform.startswith("linux"):
@@ -80,6 +87,7 @@ def configure_host() -> None:
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc (musl has no mallopt): keep its defaults
         return
-    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
+    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4  # <malloc.h>
     mallopt(m_mmap_max, 0)
     mallopt(m_trim_threshold, 2**31 - 1)
+    mallopt(m_top_pad, 64 << 20)
