@@ -46,7 +46,7 @@ class Vocab:
 
 @dataclass
 class StepOutput:
-    logits: Tensor  # [B, V] next-token scores (unnormalised)
+    logits: Tensor  # [B, V] next-token scores (unnormalised); the search may overwrite them
     attention: Tensor | None  # [B, S] weights over source positions, or None without attention
 
 
