@@ -17,7 +17,15 @@ from nmt.models.base import (
     extend_cache,
     reorder_state,
 )
-from nmt.models.layers import Dropout, Linear, Positions, packed_dtype, packed_weights, sinusoidal
+from nmt.models.layers import (
+    Dropout,
+    Linear,
+    Positions,
+    packed_dtype,
+    packed_weights,
+    sinusoidal,
+    softmax,
+)
 from nmt.models.registry import ARCHITECTURES, build_model
 from nmt.models.rnn_attention import RNNAttentionConfig
 from nmt.models.seq2seq import Seq2SeqConfig
@@ -372,6 +380,29 @@ def test_sinusoidal_positions_come_from_a_table_equal_to_the_formula():
         far = torch.tensor([5000, 1, 4999])  # beyond any table so far, and any training length
         assert torch.equal(enc(far), sinusoidal(far, 48))
         assert enc(torch.zeros(0, dtype=torch.long)).shape == (0, 48)
+
+
+@pytest.mark.parametrize("size", [1, 3, 15, 16, 40])
+def test_attention_softmax_equals_torch_softmax(size):
+    """Short rows go across rows on CPU (see `softmax`): same values, shape, layout, dtype,
+    masked (-inf) positions and gradients as torch.softmax over the last dimension."""
+    g = torch.Generator().manual_seed(size)
+    x = torch.randn(3, 4, 5, size, generator=g)
+    x[0, 0, 0, 1:] = float("-inf")
+    ref = torch.softmax(x, -1)
+    out = softmax(x)
+    torch.testing.assert_close(out, ref, atol=2e-7, rtol=0)
+    assert out.shape == x.shape and out.is_contiguous()
+    half = softmax(x.bfloat16(), torch.float32)
+    assert half.dtype == torch.float32
+    torch.testing.assert_close(half, torch.softmax(x.bfloat16(), -1, dtype=torch.float32))
+    leaf = x.clone().requires_grad_()
+    (softmax(leaf) * torch.arange(size)).sum().backward()
+    grad = torch.autograd.grad(
+        (torch.softmax(x.requires_grad_(), -1) * torch.arange(size)).sum(), x
+    )
+    torch.testing.assert_close(leaf.grad, grad[0], atol=1e-6, rtol=1e-5)
+    assert softmax(torch.zeros(0, size)).shape == (0, size)
 
 
 def test_cpu_dropout_rate_next_to_one_keeps_a_finite_scale():

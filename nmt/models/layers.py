@@ -307,6 +307,22 @@ class RNNEncoder(nn.Module):
         return self.dropout(out), final
 
 
+def softmax(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """Softmax over the last dimension (computed in `dtype` when given), for attention rows.
+
+    On CPU, torch's softmax over the last dimension is vectorized along a row only when the row
+    holds at least a vector of values (16 fp32 with AVX-512); shorter rows, as attention over
+    the few positions of a decoding step or a short source, take a scalar path 4-5x slower:
+    [1280, 12] fp32 took 267 us, against 51 us as a softmax over the first dimension of the
+    transposed rows, which is vectorized across rows (1 thread; 1280 rows of 20: 55 vs 70 us,
+    so only short rows take that way). Same values up to rounding (< 1.2e-7 apart)."""
+    size = x.size(-1)
+    if x.device.type != "cpu" or size >= 16 or x.numel() == 0:
+        return torch.softmax(x, -1, dtype=dtype)
+    across = torch.softmax(x.reshape(-1, size).t(), 0, dtype=dtype)  # [S, rows]
+    return across.t().contiguous().view(x.shape)
+
+
 NEG_INF = -1e9  # safe in fp16/bf16 once scores are cast to fp32 before the softmax
 
 
@@ -347,6 +363,6 @@ class RecurrentAttention(nn.Module):
         """query[B,Tq,Q] -> context[B,Tq,M], weights[B,Tq,S] (zero at pads, rows sum to 1)."""
         e = self.scores(query, keys).float()
         e = e.masked_fill(~src_mask[:, None, :], NEG_INF)
-        weights = torch.softmax(e, dim=-1)
+        weights = softmax(e)
         context = weights.to(memory.dtype) @ memory  # [B,Tq,S] @ [B,S,M] -> [B,Tq,M]
         return context, weights

@@ -28,7 +28,7 @@ from nmt.models.base import (
     hypotheses_per_sentence,
     source_state,
 )
-from nmt.models.layers import Dropout, Embedding, Linear, OutputProjection, Positions
+from nmt.models.layers import Dropout, Embedding, Linear, OutputProjection, Positions, softmax
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def attend_step(
     scores = scores.view(b, h, tq, s)  # [B,H,Tq,S], scaled inside the matmul
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    weights = softmax(scores, torch.float32)
     y = torch.bmm(weights.to(v.dtype).view(b * h, tq, s), v.reshape(b * h, s, dh))
     return y.view(b, h, tq, dh), weights  # [B,H,Tq,S] @ [B,H,S,Dh] -> [B,H,Tq,Dh]
 
