@@ -371,7 +371,7 @@ def test_finished_sentences_leave_the_batch_beam(trained, monkeypatch, eos):
 
 
 def test_next_logprobs_are_log_softmax_in_fp32():
-    """fp32 logits are overwritten by their log-probs (the search owns a step's output);
+    """fp32 CPU logits are overwritten by their log-probs (the search owns a step's output);
     reduced-precision logits give new fp32 log-probs; logits that need a gradient stay."""
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
     expected = torch.log_softmax(logits, -1)
