@@ -107,17 +107,14 @@ class PackedInference:
         pass less over the [320,1024] FFN activations of a beam-5 step)."""
         cache = self._packed  # read once: decoding threads share it (see decode_batches)
         dtype = packed_dtype(x) if cache is not None else None
-        if dtype is None:
-            y = F.linear(x, weight, bias)
-            return F.relu(y) if relu else y
-        if dtype not in cache:  # two threads may both pack; one result is kept
+        if dtype is not None and dtype not in cache:  # two threads may both pack; one is kept
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), PACK_ROWS)
                 entry = (packed, None if bias is None else bias.to(dtype))
             except (AttributeError, RuntimeError):  # a torch build without this op
                 entry = None
             cache.setdefault(dtype, entry)
-        if cache[dtype] is None:
+        if dtype is None or cache[dtype] is None:
             y = F.linear(x, weight, bias)
             return F.relu(y) if relu else y
         packed, packed_bias = cache[dtype]
