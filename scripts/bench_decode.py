@@ -37,6 +37,14 @@ What is measured
     --batch-size: CTranslate2 sorts by length and cuts batches of that size, as we do, and runs
     them on its W workers). Compute types: float32, and bfloat16 only where CTranslate2
     supports it on this CPU (it is skipped with a note otherwise).
+  * Process settings (--peer-host): nmt runs under the settings `nmt translate` applies
+    (`nmt.device.configure_host`: denormals flushed, and glibc malloc keeps freed memory: no
+    mmap per large tensor, no trimming, a 64 MB top pad). Those settings speed up HF
+    generate() too: beam 5 in fp32 went from 49.4 to 66.6 sentences/s with them (the malloc
+    part; flushing denormals changed nothing). So the peers are measured twice (default
+    "both"): in this process under nmt's settings (host "nmt", the strict comparison), and in
+    a child process that keeps the library defaults, as a user of HF or CTranslate2 runs
+    them (host "default"). The ratio table has a row for each.
   * Timing: --warmup untimed batches per worker, then --repeats full passes over all batches
     with time.perf_counter; sentences/s of the median pass (min and max in the JSON).
 
@@ -46,6 +54,8 @@ Commands:
   # trained runs, free decoding and fixed length:
   ... scripts/bench_decode.py --run runs/multi30k_transformer --run runs/multi30k_rnn_attention
   ... scripts/bench_decode.py --run runs/multi30k_transformer --fixed-len 20
+  # peers under nmt's process settings only (one process, no child):
+  ... scripts/bench_decode.py --peer-host nmt
   # smoke test (a few seconds; 128 sentences, 6 tokens unless --fixed-len is given):
   ... scripts/bench_decode.py --quick
 """
@@ -54,6 +64,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -105,6 +117,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[1],
         help="HF and CTranslate2: batches decoded at once, each value a row (default 1)",
     )
+    p.add_argument(
+        "--peer-host",
+        choices=("nmt", "default", "both"),
+        default="both",
+        help="process settings HF and CTranslate2 run under: nmt's (in this process), the "
+        "library defaults (in a child process), or both (default)",
+    )
+    p.add_argument("--peers-only", action="store_true", help=argparse.SUPPRESS)  # the child
     p.add_argument("--quick", action="store_true", help="smoke test: 128 sentences, 6 tokens")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
@@ -227,6 +247,7 @@ def row_of(
     n: int,
     steps,
     out_len,
+    host: str = "nmt",
 ) -> dict:
     med = bu.median(times)
     row = {
@@ -235,6 +256,7 @@ def row_of(
         "mode": mode,
         "precision": precision,
         "workers": workers,
+        "host": host,
         "sentences": n,
         "decoder_steps": steps,
         "mean_output_tokens": out_len,
@@ -243,7 +265,11 @@ def row_of(
         "sentences_per_s_max": n / min(times),
         "pass_seconds": times,
     }
-    print(f"  {system} {name} {mode} {precision} x{workers}: {row['sentences_per_s']:,.1f} sent/s")
+    where = "" if host == "nmt" else f" ({host} process settings)"
+    print(
+        f"  {system} {name} {mode} {precision} x{workers}{where}: "
+        f"{row['sentences_per_s']:,.1f} sent/s"
+    )
     return row
 
 
@@ -309,7 +335,16 @@ def bench_hf(model, subject: Subject, mode: str, precision: str, workers: int, a
     times, outputs = timed_passes(in_workers(decode, workers), batches, args, workers)
     out_len = float(np.mean([o.size(1) - 1 for o in outputs]))  # minus the decoder start token
     return row_of(
-        "hf-generate", "marian", mode, precision, workers, times, len(subject.sources), new, out_len
+        "hf-generate",
+        "marian",
+        mode,
+        precision,
+        workers,
+        times,
+        len(subject.sources),
+        new,
+        out_len,
+        host_of(args),
     )
 
 
@@ -381,19 +416,40 @@ def bench_ct2(
         len(subject.sources),
         new,
         out_len,
+        host_of(args),
     )
 
 
+def host_of(args) -> str:
+    """The process settings this process runs under (see --peer-host)."""
+    return "default" if args.peers_only else "nmt"
+
+
+def peers_with_default_settings(argv: list[str]) -> tuple[list[dict], list[str]]:
+    """The peers' rows (and notes) from a child process (this script, --peers-only) that
+    leaves the process settings at the libraries' defaults."""
+    with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
+        out = Path(tmp) / "peers.json"
+        extra = ["--peers-only", "--peer-host", "default", "--json", str(out)]
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, *extra], check=True)
+        result = json.loads(out.read_text())
+        return result["rows"], result["notes"]
+
+
 def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    bu.setup_torch(args.threads)
+    if args.peers_only:
+        torch.set_num_threads(args.threads)  # and nothing else: the libraries' defaults
+    else:
+        bu.setup_torch(args.threads)
     bu.default_env()
     bu.warn_if_busy()
     machine = bu.machine_info()  # before the runs: CTranslate2 changes the thread count
     notes: list[str] = []
     subjects = load_subjects(args)
     rows: list[dict] = []
-    for subject in subjects:
+    for subject in [] if args.peers_only else subjects:
         for mode in args.modes:
             for precision in args.precisions:
                 rows.append(bench_nmt(subject, mode, precision, args))
@@ -412,7 +468,8 @@ def main(argv: list[str] | None = None) -> dict:
         use_hf = use_ct2 = False
     if use_ct2 and not use_hf:
         use_ct2 = bu.hf_available()  # the conversion starts from a transformers model
-    if use_hf:
+    here = args.peers_only or args.peer_host != "default"  # peers in this process
+    if use_hf and here:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -425,7 +482,7 @@ def main(argv: list[str] | None = None) -> dict:
                     rows.append(bench_hf(model, transformer, mode, precision, workers, args))
         del model
         gc.collect()
-    if use_ct2:
+    if use_ct2 and here:
         import ctranslate2
 
         supported = ctranslate2.get_supported_compute_types("cpu")
@@ -443,7 +500,16 @@ def main(argv: list[str] | None = None) -> dict:
                     for workers in args.peer_workers:
                         rows.append(bench_ct2(model_dir, transformer, mode, ct, workers, args))
 
+    if args.peers_only:  # the child: its rows go to the parent through --json
+        bu.write_json(args.json, {"rows": rows, "notes": notes})
+        return {"rows": rows}
+    if (use_hf or use_ct2) and args.peer_host != "nmt":
+        child_rows, child_notes = peers_with_default_settings(argv)
+        rows += child_rows
+        notes += [n for n in child_notes if n not in notes]
+
     ratios = []
+    hosts = [h for h in ("nmt", "default") if args.peer_host in (h, "both")]
     for row in rows:
         # ratios for the (first) transformer only: the other systems are transformers
         if (
@@ -452,13 +518,14 @@ def main(argv: list[str] | None = None) -> dict:
             or transformer.arch != "transformer"
         ):
             continue
-        for workers in args.peer_workers:
+        for workers, host in [(w, h) for w in args.peer_workers for h in hosts]:
             entry = {
                 "mode": row["mode"],
                 "precision": row["precision"],
                 "nmt": row["sentences_per_s"],
                 "nmt_workers": row["workers"],
                 "peer_workers": workers,
+                "peer_host": host,
             }
             for system, key in (("hf-generate", "hf"), ("ctranslate2", "ct2")):
                 same = [
@@ -467,6 +534,7 @@ def main(argv: list[str] | None = None) -> dict:
                     if r["system"] == system
                     and r["mode"] == row["mode"]
                     and r["workers"] == workers
+                    and r["host"] == host
                 ]
                 match = next((r for r in same if r["precision"] == row["precision"]), None)
                 if match is None and system == "ctranslate2":
@@ -475,7 +543,7 @@ def main(argv: list[str] | None = None) -> dict:
                     entry[key] = match["sentences_per_s"]
                     entry[f"{key}_precision"] = match["precision"]
                     entry[f"nmt_over_{key}"] = row["sentences_per_s"] / match["sentences_per_s"]
-            if len(entry) > 5:
+            if len(entry) > 6:
                 ratios.append(entry)
 
     length = f"fixed length {args.fixed_len} tokens" if args.fixed_len else "free decoding (to EOS)"
@@ -487,6 +555,7 @@ def main(argv: list[str] | None = None) -> dict:
             ("mode", "mode"),
             ("precision", "prec"),
             ("workers", "workers"),
+            ("host", "settings"),
             ("sentences_per_s", "sent/s"),
             ("sentences_per_s_min", "min"),
             ("sentences_per_s_max", "max"),
@@ -505,6 +574,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ("nmt_workers", "nmt workers"),
                 ("nmt", "nmt sent/s"),
                 ("peer_workers", "peer workers"),
+                ("peer_host", "peer settings"),
                 ("hf", "HF sent/s"),
                 ("nmt_over_hf", "nmt/HF"),
                 ("ct2", "CT2 sent/s"),
