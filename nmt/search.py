@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
@@ -55,6 +56,16 @@ class SearchOptions:
     top_p: float = 1.0
     seed: int = 0
     fixed_len: int | None = None  # benchmark mode: exactly this many tokens, EOS forbidden
+
+
+class SearchStopped(Exception):
+    """A search ended early because its `stop` event was set (an interrupted decode, see
+    `nmt.evaluate.map_in_workers`)."""
+
+
+def _check(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise SearchStopped("search stopped")
 
 
 @dataclass
@@ -167,9 +178,14 @@ def _start(model: TranslationModel, src: Tensor, src_mask: Tensor) -> State:
 
 @decoding
 def greedy(
-    model: TranslationModel, src: Tensor, src_mask: Tensor, opts: SearchOptions
+    model: TranslationModel,
+    src: Tensor,
+    src_mask: Tensor,
+    opts: SearchOptions,
+    stop: threading.Event | None = None,
 ) -> list[list[Hypothesis]]:
-    """Greedy (or sampled, with opts.sample) decoding of src[B,S]."""
+    """Greedy (or sampled, with opts.sample) decoding of src[B,S]; raises SearchStopped at the
+    next step once `stop` is set."""
     b = src.size(0)
     device = src.device
     state = _start(model, src, src_mask)
@@ -181,6 +197,7 @@ def greedy(
     results: list[list[Hypothesis]] = [[] for _ in range(b)]
     gen = torch.Generator(device=device).manual_seed(opts.seed) if opts.sample else None
     for t in range(int(limit.max())):
+        _check(stop)
         out, state = model.step(prev, state)
         logp = next_logprobs(out.logits)  # [b,V]
         logp = _adjust(logp, tokens, t, limit[alive], opts)
@@ -222,9 +239,14 @@ def _filter(logits: Tensor, opts: SearchOptions) -> Tensor:
 
 @decoding
 def beam_search(
-    model: TranslationModel, src: Tensor, src_mask: Tensor, opts: SearchOptions
+    model: TranslationModel,
+    src: Tensor,
+    src_mask: Tensor,
+    opts: SearchOptions,
+    stop: threading.Event | None = None,
 ) -> list[list[Hypothesis]]:
     """Beam search of width K over src[B,S]; returns the n-best list of every sentence.
+    Raises SearchStopped at the next step once `stop` is set.
 
     Each step ranks the top 2K expansions of the K live hypotheses of every sentence: those
     ending in EOS (among the top K) enter the sentence's pool of K finished hypotheses, the
@@ -247,6 +269,7 @@ def beam_search(
     pool_tok = torch.full((b, k, max_t), PAD_ID, dtype=torch.long, device=device)
     arange_k = torch.arange(k, device=device)
     for t in range(max_t):
+        _check(stop)
         out, state = model.step(prev, state)
         n = alive.numel()
         lim = limit[alive].repeat_interleave(width)  # [b*width]
@@ -313,12 +336,17 @@ def beam_search(
 
 
 def search(
-    model: TranslationModel, src: Tensor, src_mask: Tensor, opts: SearchOptions
+    model: TranslationModel,
+    src: Tensor,
+    src_mask: Tensor,
+    opts: SearchOptions,
+    stop: threading.Event | None = None,
 ) -> list[list[Hypothesis]]:
-    """Greedy when beam == 1 (or sampling), beam search otherwise."""
+    """Greedy when beam == 1 (or sampling), beam search otherwise. Once `stop` is set, the
+    search raises SearchStopped at its next step (a step takes ~50 ms for a batch of 64)."""
     if opts.beam == 1 or opts.sample:
-        return greedy(model, src, src_mask, opts)
-    return beam_search(model, src, src_mask, opts)
+        return greedy(model, src, src_mask, opts, stop)
+    return beam_search(model, src, src_mask, opts, stop)
 
 
 @decoding

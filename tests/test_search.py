@@ -8,6 +8,8 @@ them too. They do not translate well, which is fine: every property here holds f
 from __future__ import annotations
 
 import math
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from nmt.models.base import StepOutput
 from nmt.models.layers import PackedInference
 from nmt.search import (
     SearchOptions,
+    SearchStopped,
     beam_search,
     force_decode,
     greedy,
@@ -486,3 +489,65 @@ def test_a_failing_batch_ends_parallel_decoding_with_its_error(transformer):
         )
     assert torch.get_num_threads() == 1
     assert all(m._packed is None for m in model.modules() if isinstance(m, PackedInference))
+
+
+class StepsUntil(torch.nn.Module):
+    """Counts the decoder steps of each batch (by source width). With `stop_at`, sets the stop
+    event at that step of a batch; the batch `fail_width` wide fails at its first step, once
+    another batch has taken one."""
+
+    def __init__(self, model, stop=None, stop_at=None, fail_width=None, pause=0.0) -> None:
+        super().__init__()
+        self.model, self.stop, self.stop_at = model, stop, stop_at
+        self.fail_width, self.pause = fail_width, pause
+        self.steps: dict[int, int] = {}
+        self.other_started = threading.Event()
+
+    def encode(self, src, src_mask):
+        memory = self.model.encode(src, src_mask)
+        memory["src_width"] = torch.full((src.size(0),), src.size(1))  # per sentence: src_*
+        return memory
+
+    def init_state(self, memory):
+        return {**self.model.init_state(memory), "src_width": memory["src_width"]}
+
+    def step(self, prev, state):
+        width = int(state["src_width"][0])
+        self.steps[width] = self.steps.get(width, 0) + 1
+        if width == self.fail_width:
+            self.other_started.wait(30)
+            raise RuntimeError("a batch failed")
+        self.other_started.set()
+        if self.steps[width] == self.stop_at:
+            self.stop.set()
+        time.sleep(self.pause)
+        out, new = self.model.step(prev, state)
+        return out, {**new, "src_width": state["src_width"]}
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_a_set_stop_event_ends_the_search_at_its_next_step(trained, beam):
+    src, mask = make_batch(trained.sources[:4])
+    stop = threading.Event()
+    model = StepsUntil(trained.model, stop, stop_at=3)
+    with pytest.raises(SearchStopped):
+        search(model, src, mask, SearchOptions(beam=beam, fixed_len=10), stop)
+    assert model.steps == {src.size(1): 3}
+    stop.clear()  # unset, or not given: the search runs to its end
+    assert search(trained.model, src, mask, SearchOptions(beam=beam), stop) == search(
+        trained.model, src, mask, SearchOptions(beam=beam)
+    )
+
+
+def test_an_error_stops_the_batch_in_flight(transformer):
+    """With 2 workers, a batch that fails ends the decode with its error, and the batch
+    decoded beside it stops at its next step instead of running to its end (Ctrl-C takes
+    the same way): it would take 201 steps here."""
+    by_len = sorted(transformer.sources, key=len)
+    short, long = by_len[0], by_len[-1]  # two batches of one sentence, the short one first
+    model = StepsUntil(transformer.model, fail_width=len(short) + 1, pause=0.02)
+    with pytest.raises(RuntimeError, match="a batch failed"):
+        decode_ids(
+            model, [long, short], SearchOptions(beam=2, fixed_len=200), 1, CPU, "fp32", workers=2
+        )
+    assert 1 <= model.steps[len(long) + 1] < 201
