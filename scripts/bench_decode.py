@@ -444,7 +444,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         bu.setup_torch(args.threads)
     bu.default_env()
-    bu.warn_if_busy()
+    if not args.peers_only:  # the child starts right after the parent's own runs
+        bu.warn_if_busy()
     machine = bu.machine_info()  # before the runs: CTranslate2 changes the thread count
     notes: list[str] = []
     subjects = load_subjects(args)
