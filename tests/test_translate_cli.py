@@ -707,27 +707,61 @@ def test_average_refuses_bad_counts_and_directory_outputs(run, tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing written into it
 
 
-def test_the_cli_leaves_its_objects_out_of_the_exit_collections(run, tmp_path):
-    """main() freezes the garbage collector's objects as it returns, so Python's shutdown does
-    not collect torch's objects (0.5-0.7 s of every command); the output is complete and
-    atexit handlers still run."""
-    out = tmp_path / "out.de"
+def main_with_probe(probe: str, *args, stdin: str = "") -> subprocess.CompletedProcess:
+    """`nmt ARGS` through nmt.cli.main in a fresh Python whose last stderr line (written by an
+    atexit handler, after main has returned) is `probe` evaluated there."""
     code = (
         "import atexit, gc, sys\n"
-        "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0, file=sys.stderr))\n"
+        f"atexit.register(lambda: print({probe}, file=sys.stderr))\n"
         "from nmt.cli import main\n"
         "main()\n"
     )
-    args = ["translate", str(run), "--output", str(out), *FP32]
-    result = subprocess.run(
-        [sys.executable, "-c", code, *args],
-        input="A man.\n\nTwo dogs.\n",
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)],
+        input=stdin,
         capture_output=True,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         timeout=600,
     )
+
+
+def test_the_cli_leaves_its_objects_out_of_the_exit_collections(run, tmp_path):
+    """main() freezes the garbage collector's objects as it returns, so Python's shutdown does
+    not collect torch's objects (0.5-0.7 s of every command); the output is complete and
+    atexit handlers still run."""
+    out = tmp_path / "out.de"
+    result = main_with_probe(
+        "gc.get_freeze_count() > 0",
+        *("translate", run, "--output", out, *FP32),
+        stdin="A man.\n\nTwo dogs.\n",
+    )
     assert result.returncode == 0, result.stderr
-    assert result.stderr.strip().splitlines()[-1] == "frozen True"
+    assert result.stderr.strip().splitlines()[-1] == "True"
     lines = out_lines(out.read_text(encoding="utf-8"))
     assert len(lines) == 3 and lines[1] == "" and lines[0] and lines[2]
+
+
+def test_translating_does_not_import_datasets(run):
+    """Only commands that prepare data need Hugging Face datasets (~0.7 s to import)."""
+    result = main_with_probe("'datasets' in sys.modules", "translate", run, stdin="A man.\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "False"
+
+
+def test_preparing_data_shows_no_datasets_progress_bars(tmp_path):
+    """datasets' own progress bars and logs stay off (set through its environment variables
+    before it is imported): `nmt prepare` prints its summary only."""
+    env = {k: v for k, v in os.environ.items() if "DATASETS" not in k}
+    env["NMT_CACHE_DIR"] = str(tmp_path / "cache")  # nothing cached: datasets does the work
+    result = subprocess.run(
+        [sys.executable, "-m", "nmt", "prepare", REPO / "recipes/tiny/transformer.yaml"]
+        + ["--run-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "prepared en→de" in result.stderr
+    assert "%|" not in result.stderr and "Map" not in result.stderr, result.stderr
