@@ -3,6 +3,7 @@ progress bars and tables."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import gc
@@ -70,8 +71,9 @@ def _setup_logging(verbose: bool = False) -> None:
         force=True,
     )
     # datasets' progress bars and info logs stay quiet. Through its environment variables, read
-    # when it is imported: importing it here took ~0.7 s of every command, which most (translate,
-    # evaluate on files, compare on files) do not need.
+    # when it is imported (and inherited by subprocesses; values a user set are kept): importing
+    # it here took ~0.7 s of every command, which most (translate, evaluate on files) do not
+    # need.
     if "datasets" in sys.modules:
         sys.modules["datasets"].disable_progress_bars()
         sys.modules["datasets"].logging.set_verbosity_error()
@@ -664,18 +666,12 @@ def _click_errors() -> tuple[type[Exception], ...]:
 
 
 def main() -> None:
-    try:
-        _main()
-    finally:
-        # Python's shutdown runs full garbage collections over every object left, torch's
-        # hundreds of thousands included: 0.5-0.7 s of every command's exit on the 2-core
-        # machine (import torch alone: 0.5 s). Frozen objects are left out of them, and the
-        # process is ending: exit takes ~0.15 s. Files are closed by then (`with` blocks),
-        # and atexit handlers and thread joins still run.
-        gc.freeze()
-
-
-def _main() -> None:
+    # Python's shutdown runs full garbage collections over every object left, torch's hundreds
+    # of thousands included: 0.5-0.7 s of every command's exit on the 2-core machine (import
+    # torch alone: 0.5 s). Objects frozen when the interpreter exits are left out of them:
+    # exit takes ~0.15 s. Files are closed by then (`with` blocks); thread joins and the other
+    # atexit handlers still run. A caller of main() that goes on running is not affected.
+    atexit.register(gc.freeze)
     _setup_logging(verbose=bool(os.environ.get("NMT_DEBUG")))
     try:
         code = app(standalone_mode=False)

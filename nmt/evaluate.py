@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,9 +110,11 @@ def map_in_workers(
 ) -> list:
     """[fn(x) for x in items], `workers` items at once in threads that split torch's intra-op
     threads between them (one at a time for 1); done(x) after each result, in item order.
-    On an error or Ctrl-C the items not started are dropped, and `stop` is set before the
-    running ones are waited for: an fn that watches it (a search does, at every step) ends
-    early, so Ctrl-C stops a decode at once instead of after the batches in flight (~1 s)."""
+    On an error or Ctrl-C the items not started are dropped, and `stop` is set (as soon as
+    any item fails, whichever) before the running ones are waited for: an fn that watches it
+    (a search does, at every step) ends early, so Ctrl-C stops a decode at once instead of
+    after the batches in flight (~1 s). The first item's error is raised, not the ones of
+    the items it stopped."""
     results = []
     if workers == 1:
         for x in items:
@@ -120,11 +122,25 @@ def map_in_workers(
             if done:
                 done(x)
         return results
+    failed: list[BaseException] = []  # errors in the order the items raised them
+
+    def on_done(future: Future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            failed.append(future.exception())
+            if stop is not None:
+                stop.set()
+
     with intra_op_threads(max(1, torch.get_num_threads() // workers)):
         pool = ThreadPoolExecutor(workers, thread_name_prefix="nmt-decode")
+        futures = [pool.submit(fn, x) for x in items]
+        for future in futures:
+            future.add_done_callback(on_done)
         try:
-            for x, future in zip(items, [pool.submit(fn, x) for x in items]):
-                results.append(future.result())
+            for x, future in zip(items, futures):
+                try:
+                    results.append(future.result())
+                except Exception as e:
+                    raise (failed[0] if failed else e) from None
                 if done:
                     done(x)
         except BaseException:

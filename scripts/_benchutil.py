@@ -46,7 +46,8 @@ def default_precisions() -> list[str]:
 def setup_torch(threads: int = 2) -> None:
     """The settings every benchmark runs under: a fixed thread count and the process settings
     `nmt train`/`nmt translate` apply (`nmt.device.configure_host`: no denormals, malloc keeps
-    freed memory). Side-by-side peers run in the same process, so they get them too."""
+    freed memory). Side-by-side peers run in the same process get them too (bench_decode also
+    runs its peers in a child process without them: see its --peer-host)."""
     from nmt.device import configure_host
 
     torch.set_num_threads(threads)

@@ -56,7 +56,8 @@ Commands:
   ... scripts/bench_decode.py --run runs/multi30k_transformer --fixed-len 20
   # peers under nmt's process settings only (one process, no child):
   ... scripts/bench_decode.py --peer-host nmt
-  # smoke test (a few seconds; 128 sentences, 6 tokens unless --fixed-len is given):
+  # smoke test (128 sentences, 6 tokens unless --fixed-len is given; under a minute with
+  # the peers, whose second process converts the CTranslate2 model again):
   ... scripts/bench_decode.py --quick
 """
 
@@ -156,23 +157,37 @@ class Subject:
 
 
 def load_subjects(args) -> list[Subject]:
+    """The models to time and their sources. The peers' child process (--peers-only) needs
+    only the tokenizers and sources: it builds no model and does not call `load_model`,
+    which applies nmt's process settings (`configure_host`)."""
+    from nmt import checkpoint
+    from nmt.config import from_dict
     from nmt.data.prepare import prepare
+    from nmt.data.tokenizer import Tokenizer
     from nmt.evaluate import load_model
     from nmt.models.registry import build_model
 
     subjects = []
     if args.run:
         for run in args.run:
-            loaded = load_model(Path(run), torch.device("cpu"))
-            split = prepare(loaded.config).split(args.split)
+            if args.peers_only:
+                ckpt = checkpoint.resolve(Path(run))
+                payload = checkpoint.load(ckpt)
+                cfg, model = from_dict(payload["config"]), None
+                tokenizer = Tokenizer.from_dir(checkpoint.tokenizer_dir(ckpt, payload))
+            else:
+                loaded = load_model(Path(run), torch.device("cpu"))
+                payload, cfg, model = loaded.payload, loaded.config, loaded.model
+                tokenizer = loaded.tokenizer
+            split = prepare(cfg).split(args.split)
             n = min(args.limit or len(split), len(split))
             subjects.append(
                 Subject(
                     name=Path(run).name,
-                    arch=loaded.payload["arch"],
-                    model=loaded.model,
-                    cfg=loaded.config,
-                    tokenizer=loaded.tokenizer,
+                    arch=payload["arch"],
+                    model=model,
+                    cfg=cfg,
+                    tokenizer=tokenizer,
                     sources=[split.src_ids(i).tolist() for i in range(n)],
                     texts=split.texts("src")[:n],
                 )
@@ -184,7 +199,9 @@ def load_subjects(args) -> list[Subject]:
         split = prepared.split(args.split)
         n = min(args.limit or len(split), len(split))
         torch.manual_seed(args.seed)
-        model = build_model(arch, cfg.model, bu.vocab_of(prepared)).eval()
+        model = None
+        if not args.peers_only:
+            model = build_model(arch, cfg.model, bu.vocab_of(prepared)).eval()
         subjects.append(
             Subject(
                 name=f"{arch} (random init)",
@@ -425,13 +442,20 @@ def host_of(args) -> str:
     return "default" if args.peers_only else "nmt"
 
 
-def peers_with_default_settings(argv: list[str]) -> tuple[list[dict], list[str]]:
+def peers_with_default_settings(argv: list[str], args) -> tuple[list[dict], list[str]]:
     """The peers' rows (and notes) from a child process (this script, --peers-only) that
-    leaves the process settings at the libraries' defaults."""
+    leaves the process settings at the libraries' defaults. If it fails, no rows and a note:
+    the rows measured so far are kept."""
     with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
         out = Path(tmp) / "peers.json"
         extra = ["--peers-only", "--peer-host", "default", "--json", str(out)]
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, *extra], check=True)
+        extra += ["--precisions", *args.precisions]  # as decided here (no second note)
+        sys.stdout.flush()  # the child writes to the same stdout
+        sys.stderr.flush()
+        child = [sys.executable, str(Path(__file__).resolve()), *argv, *extra]
+        code = subprocess.run(child).returncode
+        if code != 0 or not out.exists():
+            return [], [f"the peers' run with default process settings failed (exit {code})"]
         result = json.loads(out.read_text())
         return result["rows"], result["notes"]
 
@@ -502,10 +526,10 @@ def main(argv: list[str] | None = None) -> dict:
                         rows.append(bench_ct2(model_dir, transformer, mode, ct, workers, args))
 
     if args.peers_only:  # the child: its rows go to the parent through --json
-        bu.write_json(args.json, {"rows": rows, "notes": notes})
+        Path(args.json).write_text(json.dumps({"rows": rows, "notes": notes}, default=str))
         return {"rows": rows}
     if (use_hf or use_ct2) and args.peer_host != "nmt":
-        child_rows, child_notes = peers_with_default_settings(argv)
+        child_rows, child_notes = peers_with_default_settings(argv, args)
         rows += child_rows
         notes += [n for n in child_notes if n not in notes]
 

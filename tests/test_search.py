@@ -539,15 +539,18 @@ def test_a_set_stop_event_ends_the_search_at_its_next_step(trained, beam):
     )
 
 
-def test_an_error_stops_the_batch_in_flight(transformer):
+@pytest.mark.parametrize("failing", ["first", "second"])
+def test_an_error_stops_the_batch_in_flight(transformer, failing):
     """With 2 workers, a batch that fails ends the decode with its error, and the batch
     decoded beside it stops at its next step instead of running to its end (Ctrl-C takes
-    the same way): it would take 201 steps here."""
+    the same way): it would take 201 steps here. Also when the failing batch comes second,
+    while the first one is still being waited for: its error is raised, not the stop."""
     by_len = sorted(transformer.sources, key=len)
-    short, long = by_len[0], by_len[-1]  # two batches of one sentence, the short one first
-    model = StepsUntil(transformer.model, fail_width=len(short) + 1, pause=0.02)
+    short, long = by_len[0], by_len[-1]  # two batches of one sentence: the short one first
+    fails, other = (short, long) if failing == "first" else (long, short)
+    model = StepsUntil(transformer.model, fail_width=len(fails) + 1, pause=0.02)
     with pytest.raises(RuntimeError, match="a batch failed"):
         decode_ids(
             model, [long, short], SearchOptions(beam=2, fixed_len=200), 1, CPU, "fp32", workers=2
         )
-    assert 1 <= model.steps[len(long) + 1] < 201
+    assert 1 <= model.steps[len(other) + 1] < 201

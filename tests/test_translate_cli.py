@@ -1,5 +1,5 @@
-"""End to end through the command line: `nmt translate`, `nmt evaluate` and `nmt average` in
-subprocesses, on runs of the tiny recipes trained through the Python API once per session
+"""End to end through the command line: `nmt translate`, `nmt evaluate` and `nmt average` (and
+the CLI's start and exit) in subprocesses, on runs of the tiny recipes trained through the Python API once per session
 (`tiny_run` keeps them in the session's throwaway NMT_CACHE_DIR, shared with test_search.py)."""
 
 from __future__ import annotations
@@ -752,7 +752,8 @@ def test_translating_does_not_import_datasets(run):
 def test_preparing_data_shows_no_datasets_progress_bars(tmp_path):
     """datasets' own progress bars and logs stay off (set through its environment variables
     before it is imported): `nmt prepare` prints its summary only."""
-    env = {k: v for k, v in os.environ.items() if "DATASETS" not in k}
+    quiet = ("HF_DATASETS_DISABLE_PROGRESS_BARS", "DATASETS_VERBOSITY")
+    env = {k: v for k, v in os.environ.items() if k not in quiet}
     env["NMT_CACHE_DIR"] = str(tmp_path / "cache")  # nothing cached: datasets does the work
     result = subprocess.run(
         [sys.executable, "-m", "nmt", "prepare", REPO / "recipes/tiny/transformer.yaml"]
