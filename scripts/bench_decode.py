@@ -351,18 +351,7 @@ def bench_hf(model, subject: Subject, mode: str, precision: str, workers: int, a
 
     times, outputs = timed_passes(in_workers(decode, workers), batches, args, workers)
     out_len = float(np.mean([o.size(1) - 1 for o in outputs]))  # minus the decoder start token
-    return row_of(
-        "hf-generate",
-        "marian",
-        mode,
-        precision,
-        workers,
-        times,
-        len(subject.sources),
-        new,
-        out_len,
-        host_of(args),
-    )
+    return peer_row("hf-generate", mode, precision, workers, times, subject, new, out_len, args)
 
 
 def convert_ct2(cfg, tokenizer, seed: int, workdir: Path) -> Path:
@@ -423,23 +412,15 @@ def bench_ct2(
     times, outputs = timed_passes(decode_pass, batches, args, workers)
     out_len = float(np.mean([len(r.hypotheses[0]) for out in outputs for r in out]))
     precision = {"float32": "fp32", "bfloat16": "bf16"}.get(compute_type, compute_type)
-    return row_of(
-        "ctranslate2",
-        "marian",
-        mode,
-        precision,
-        workers,
-        times,
-        len(subject.sources),
-        new,
-        out_len,
-        host_of(args),
-    )
+    return peer_row("ctranslate2", mode, precision, workers, times, subject, new, out_len, args)
 
 
-def host_of(args) -> str:
-    """The process settings this process runs under (see --peer-host)."""
-    return "default" if args.peers_only else "nmt"
+def peer_row(system: str, mode, precision, workers, times, subject, steps, out_len, args) -> dict:
+    """A peer's row (its model: the Marian one), under this process' settings: nmt's, or the
+    libraries' defaults in the --peers-only child (see --peer-host)."""
+    host = "default" if args.peers_only else "nmt"
+    n = len(subject.sources)
+    return row_of(system, "marian", mode, precision, workers, times, n, steps, out_len, host)
 
 
 def peers_with_default_settings(argv: list[str], args) -> tuple[list[dict], list[str]]:
