@@ -113,8 +113,8 @@ def map_in_workers(
     On an error or Ctrl-C the items not started are dropped, and `stop` is set (as soon as
     any item fails, whichever) before the running ones are waited for: an fn that watches it
     (a search does, at every step) ends early, so Ctrl-C stops a decode at once instead of
-    after the batches in flight (~1 s). The first item's error is raised, not the ones of
-    the items it stopped."""
+    after the batches in flight (~1 s). The first error an item raised is raised, not the
+    stops it caused in the others."""
     results = []
     if workers == 1:
         for x in items:
