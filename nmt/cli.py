@@ -328,13 +328,8 @@ def translate(
     """Translate lines from --input or stdin; one output line per input line."""
     from nmt import config
     from nmt.device import resolve_precision
-    from nmt.evaluate import (
-        load_model,
-        read_text_lines,
-        search_options,
-        text_lines,
-        translate_lines,
-    )
+    from nmt.evaluate import load_model, search_options, translate_lines
+    from nmt.metrics import read_text_lines, text_lines
 
     if sample and ((beam or 1) > 1 or (nbest or 1) > 1):
         raise NMTError("--sample draws one translation per sentence; drop --beam and --nbest")
@@ -503,9 +498,11 @@ def evaluate(
     """Score translations with sacreBLEU (BLEU, chrF, TER): a run on a split, or files."""
     import json
 
-    from nmt.evaluate import evaluate_run, paired_bootstrap, read_text_lines, score
+    from nmt.metrics import paired_bootstrap, read_text_lines, score
 
     if run is not None:
+        from nmt.evaluate import evaluate_run  # torch: only to translate
+
         if hyp is not None:
             raise NMTError("give either a run directory or --hyp, not both")
         hyps, refs, hyp_path, run_lang = evaluate_run(

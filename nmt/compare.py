@@ -23,15 +23,8 @@ from nmt import NMTError, checkpoint, config
 from nmt.config import Config, arch_of
 from nmt.data.prepare import attach, prepare
 from nmt.device import autocast, resolve_device, resolve_precision
-from nmt.evaluate import (
-    bleu_metric,
-    check_bootstrap_samples,
-    load_model,
-    paired_bootstrap,
-    score,
-    search_options,
-    translate_texts,
-)
+from nmt.evaluate import load_model, search_options, translate_texts
+from nmt.metrics import bleu_metric, check_bootstrap_samples, paired_bootstrap, score
 from nmt.models.base import count_parameters
 from nmt.search import force_decode
 from nmt.special import EOS_ID

@@ -1,4 +1,4 @@
-"""Translate lines or prepared splits with a trained model, and score with sacreBLEU."""
+"""Translate lines or prepared splits with a trained model (scoring: `nmt.metrics`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import sacrebleu
 import torch
 from torch import Tensor
 
@@ -263,104 +262,6 @@ def translate_texts(
         model, tokenizer, lines, opts, d.batch_tokens, device, precision, progress, d.workers
     )
     return [nbest[0][0] if nbest else "" for nbest in results]
-
-
-def bleu_metric(tgt_lang: str | None = None) -> sacrebleu.BLEU:
-    """sacreBLEU's BLEU with the tokenizer it prescribes for the target language: 13a, but zh
-    for Chinese and MeCab for Japanese and Korean (those two need sacreBLEU's extras)."""
-    try:
-        return sacrebleu.BLEU(trg_lang=tgt_lang or "")
-    except RuntimeError:  # sacreBLEU's MeCab tokenizers are optional dependencies
-        raise NMTError(
-            f"BLEU on {tgt_lang} text needs sacreBLEU's tokenizer for it: "
-            f"pip install 'sacrebleu[{tgt_lang}]'"
-        ) from None
-
-
-def score(hyps: list[str], refs: list[list[str]], tgt_lang: str | None = None) -> dict[str, Any]:
-    """BLEU, chrF and TER with their sacreBLEU signatures. refs: one list per reference set;
-    tgt_lang (an ISO code) picks BLEU's tokenizer."""
-    for k, ref in enumerate(refs):
-        if len(ref) != len(hyps):
-            raise NMTError(
-                f"line counts differ: {len(hyps)} hypotheses but reference {k + 1} has {len(ref)} lines"
-            )
-    if not hyps:
-        raise NMTError("nothing to score: the hypotheses (and references) have no lines")
-    out: dict[str, Any] = {"n_sentences": len(hyps)}
-    for name, metric in (
-        ("bleu", bleu_metric(tgt_lang)),
-        ("chrf", sacrebleu.CHRF()),
-        ("ter", sacrebleu.TER()),
-    ):
-        result = metric.corpus_score(hyps, refs)
-        out[name] = {"score": float(result.score), "signature": str(metric.get_signature())}
-    return out
-
-
-def check_bootstrap_samples(n: int) -> None:
-    if n < 1:  # sacreBLEU would quietly take its default of 1,000 for 0
-        raise NMTError(f"--bootstrap-samples must be >= 1 (got {n})")
-
-
-def paired_bootstrap(
-    baseline: list[str],
-    systems: dict[str, list[str]],
-    refs: list[list[str]],
-    n_samples: int = 1000,
-    tgt_lang: str | None = None,
-) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """sacreBLEU's paired bootstrap resampling: 95% CIs and p-values against `baseline`.
-
-    Returns the baseline's and each system's statistics per metric: score, ci_low, ci_high,
-    p_value (None for the baseline). Systems may have any names, "baseline" included.
-    """
-    from sacrebleu.significance import PairedTest
-
-    check_bootstrap_samples(n_samples)
-    hyps = [baseline, *systems.values()]
-    labels = [f"system {i}" for i in range(len(hyps))]  # the names are only sacreBLEU's
-    metrics = {"bleu": bleu_metric(tgt_lang), "chrf": sacrebleu.CHRF()}
-    test = PairedTest(
-        list(zip(labels, hyps)), metrics, references=refs, test_type="bs", n_samples=n_samples
-    )
-    _, results = test()
-    stats: list[dict[str, Any]] = [{} for _ in hyps]
-    columns = [k for k in results if k != "System"]  # sacreBLEU's own metric names, in order
-    for metric, column in zip(metrics, columns):
-        for entry, res in zip(stats, results[column]):
-            mean = float(res.mean) if res.mean is not None else float(res.score)
-            ci = float(res.ci) if res.ci is not None else 0.0
-            entry[metric] = {
-                "score": float(res.score),
-                "ci_low": mean - ci,
-                "ci_high": mean + ci,
-                "p_value": None if res.p_value is None else float(res.p_value),
-            }
-    return stats[0], dict(zip(systems, stats[1:]))
-
-
-def text_lines(data: bytes, name: str) -> list[str]:
-    """Lines of UTF-8 text, split at "\\n" only, so as many as `wc -l` counts (plus an
-    unterminated last one); a "\\r" before the "\\n" is dropped."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise NMTError(
-            f"{name}, line {line}: bytes that are not UTF-8; re-encode it (iconv -t UTF-8)"
-        ) from None
-    lines = text.split("\n")
-    if lines[-1] == "":
-        lines.pop()
-    return [line[:-1] if line.endswith("\r") else line for line in lines]
-
-
-def read_text_lines(path: Path) -> list[str]:
-    """Lines of a UTF-8 file (see `text_lines`)."""
-    if not Path(path).is_file():
-        raise NMTError(f"file not found: {path}")
-    return text_lines(Path(path).read_bytes(), str(path))
 
 
 def evaluate_run(

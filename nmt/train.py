@@ -30,7 +30,8 @@ from nmt.config import Config, TrainConfig, arch_of
 from nmt.data.batching import Batch, EncodedSplit, TokenBatches
 from nmt.data.prepare import Prepared, prepare
 from nmt.device import autocast, configure_host, resolve_device, resolve_precision
-from nmt.evaluate import bleu_metric, score, translate_texts
+from nmt.evaluate import translate_texts
+from nmt.metrics import bleu_metric, score
 from nmt.models.base import Vocab, count_parameters
 from nmt.models.registry import build_model
 from nmt.special import PAD_ID

@@ -379,7 +379,7 @@ def test_translate_bad_sampling_options(run, args, fragment):
 
 def test_paired_bootstrap_takes_any_system_name(files):
     """A system called "baseline" keeps its own statistics (it once took the baseline's)."""
-    from nmt.evaluate import paired_bootstrap
+    from nmt.metrics import paired_bootstrap
 
     _, lines = files
     n = 200
@@ -394,7 +394,7 @@ def test_paired_bootstrap_takes_any_system_name(files):
 
 def test_bleu_tokenizer_follows_the_target_language(files):
     from nmt import NMTError
-    from nmt.evaluate import score
+    from nmt.metrics import score
 
     _, lines = files
     hyp, ref = lines["hyp"][:50], lines["ref"][:50]
@@ -747,6 +747,18 @@ def test_translating_does_not_import_datasets(run):
     result = main_with_probe("'datasets' in sys.modules", "translate", run, stdin="A man.\n")
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "False"
+
+
+def test_scoring_files_does_not_import_torch(tmp_path):
+    """`nmt evaluate --hyp --ref` is sacreBLEU on text (nmt.metrics): no torch, no datasets."""
+    hyp, ref = tmp_path / "hyp.txt", tmp_path / "ref.txt"
+    hyp.write_text("a man rides a bike .\ntwo dogs\n", encoding="utf-8")
+    ref.write_text("a man rides a bike .\ntwo dogs play\n", encoding="utf-8")
+    probe = "'torch' in sys.modules, 'datasets' in sys.modules"
+    result = main_with_probe(probe, "evaluate", "--hyp", hyp, "--ref", ref, "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["n_sentences"] == 2
+    assert result.stderr.strip().splitlines()[-1] == "False False"
 
 
 def test_preparing_data_shows_no_datasets_progress_bars(tmp_path):
