@@ -35,23 +35,29 @@ class Loaded:
     payload: dict[str, Any]
 
 
-def load_model(path: Path, device: torch.device) -> Loaded:
-    """Model, config and tokenizer from a run directory or a checkpoint file."""
-    configure_host()
+def read_run(path: Path) -> tuple[Path, dict[str, Any], Config, Tokenizer]:
+    """The checkpoint (of a run directory, or the file given), its payload, config and
+    tokenizer: what `load_model` reads, without building the model or applying the
+    process settings (the benchmarks' peers read a run this way)."""
     ckpt = checkpoint.resolve(Path(path))
     payload = checkpoint.load(ckpt)
-    cfg = from_dict(payload["config"])
     tok_dir = checkpoint.tokenizer_dir(ckpt, payload)
     if not tok_dir.is_dir():
         raise NMTError(
             f"no tokenizer for {ckpt}: {tok_dir} does not exist; keep checkpoints in "
             "RUN_DIR/checkpoints/, beside the run's tokenizer/ folder"
         )
-    run_dir = tok_dir.parent
-    tokenizer = Tokenizer.from_dir(tok_dir)
+    return ckpt, payload, from_dict(payload["config"]), Tokenizer.from_dir(tok_dir)
+
+
+def load_model(path: Path, device: torch.device) -> Loaded:
+    """Model, config and tokenizer from a run directory or a checkpoint file."""
+    configure_host()
+    ckpt, payload, cfg, tokenizer = read_run(path)
     model = build_model(payload["arch"], cfg.model, Vocab(**payload["vocab"]))
     model.load_state_dict(payload["model"])
     model.to(device).eval()
+    run_dir = checkpoint.tokenizer_dir(ckpt, payload).parent
     return Loaded(model, cfg, tokenizer, run_dir, ckpt, payload)
 
 

@@ -359,7 +359,7 @@ def force_decode(
     logps, attn = [], []
     for token in [*tgt, EOS_ID]:
         out, state = model.step(prev, state)
-        logps.append(float(torch.log_softmax(out.logits.float(), -1)[0, token]))
+        logps.append(float(next_logprobs(out.logits)[0, token]))
         if out.attention is not None:
             attn.append(out.attention[0].float())
         prev = torch.tensor([token], device=src.device)

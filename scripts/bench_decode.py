@@ -160,21 +160,16 @@ def load_subjects(args) -> list[Subject]:
     """The models to time and their sources. The peers' child process (--peers-only) needs
     only the tokenizers and sources: it builds no model and does not call `load_model`,
     which applies nmt's process settings (`configure_host`)."""
-    from nmt import checkpoint
-    from nmt.config import from_dict
     from nmt.data.prepare import prepare
-    from nmt.data.tokenizer import Tokenizer
-    from nmt.evaluate import load_model
+    from nmt.evaluate import load_model, read_run
     from nmt.models.registry import build_model
 
     subjects = []
     if args.run:
         for run in args.run:
             if args.peers_only:
-                ckpt = checkpoint.resolve(Path(run))
-                payload = checkpoint.load(ckpt)
-                cfg, model = from_dict(payload["config"]), None
-                tokenizer = Tokenizer.from_dir(checkpoint.tokenizer_dir(ckpt, payload))
+                _, payload, cfg, tokenizer = read_run(Path(run))
+                model = None
             else:
                 loaded = load_model(Path(run), torch.device("cpu"))
                 payload, cfg, model = loaded.payload, loaded.config, loaded.model
