@@ -68,31 +68,6 @@ def load(path: Path) -> dict[str, Any]:
     return payload
 
 
-def resolve(path: Path) -> Path:
-    """A checkpoint file, or a run directory (its best, else last, checkpoint)."""
-    path = Path(path)
-    if path.is_dir():
-        for name in ("best.pt", "last.pt", "averaged.pt"):
-            candidate = path / "checkpoints" / name
-            if candidate.is_file():
-                return candidate
-        raise NMTError(f"no checkpoint in {path}/checkpoints; train a model there with `nmt train`")
-    if not path.exists():
-        raise NMTError(f"no such run directory or checkpoint: {path}")
-    return path
-
-
-def run_dir_of(checkpoint_path: Path) -> Path:
-    """checkpoints/best.pt -> the run directory."""
-    return checkpoint_path.resolve().parent.parent
-
-
-def step_checkpoints(run_dir: Path) -> list[Path]:
-    """Kept step checkpoints, oldest first."""
-    paths = (run_dir / "checkpoints").glob("step-*.pt")
-    return sorted(paths, key=lambda p: int(p.stem.split("-")[1]))
-
-
 def average(paths: list[Path]) -> dict[str, Any]:
     """Average the model parameters of several checkpoints of the same run."""
     if not paths:
@@ -110,17 +85,8 @@ def average(paths: list[Path]) -> dict[str, Any]:
         avg[key] = (
             sum(o["model"][key].double() for o in payloads).div(len(payloads)).to(value.dtype)
         )
-    newest = payloads[-1]  # config, progress and vocabulary of the last checkpoint given
+    # Config, progress, vocabulary and run directory (where the tokenizer lives, so the
+    # average works wherever it is written) of the last checkpoint given.
+    newest = payloads[-1]
     keep = {k: v for k, v in newest.items() if k not in ("model", "optimizer", "format", "scaler")}
-    # Where the tokenizer lives, so the average works wherever it is written.
-    keep["run_dir"] = newest.get("run_dir") or str(run_dir_of(paths[-1]))
     return {**keep, "model": avg, "averaged_from": [str(p) for p in paths]}
-
-
-def tokenizer_dir(checkpoint_path: Path, payload: dict[str, Any]) -> Path:
-    """The run's tokenizer folder: beside the checkpoint's `checkpoints/` folder, else in the
-    run directory the checkpoint records (a checkpoint copied or averaged elsewhere)."""
-    here = run_dir_of(checkpoint_path) / "tokenizer"
-    if here.is_dir() or not payload.get("run_dir"):
-        return here
-    return Path(payload["run_dir"]) / "tokenizer"

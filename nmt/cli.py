@@ -134,22 +134,10 @@ def prepare_table(summary: dict, padding: float | None) -> Table:
     return table
 
 
-def run_prepare(cfg, run_dir: Path):
-    """Prepare data for cfg, attach it to run_dir and print the summary."""
-    from nmt.data.batching import TokenBatches
-    from nmt.data.prepare import attach, prepare
-
-    with err.status("preparing data (download, tokenizer training, encoding)..."):
-        prepared = prepare(cfg)
-    attach(prepared, cfg, run_dir)
-    train = prepared.split("train")
-    padding = TokenBatches(
-        train.src_lens, train.tgt_lens, cfg.train.batch_tokens, cfg.train.seed
-    ).padding_fraction()
+def show_prepared(prepared, padding: float) -> None:
     if prepared.reused:
         err.print(f"prepared data is up to date ({prepared.dir}); nothing to do")
     err.print(prepare_table(prepared.summary, padding))
-    return prepared
 
 
 @app.command()
@@ -159,14 +147,26 @@ def prepare(
     sets: list[str] = typer.Option([], "--set", help=SET_HELP),
 ) -> None:
     """Load, clean, tokenize and cache the recipe's data; write the run directory's config."""
+    from nmt.data.batching import TokenBatches
+    from nmt.data.prepare import prepare as prepare_data
+    from nmt.run import RunDir
+
     cfg = _load_config(recipe, sets)
-    run_prepare(cfg, run_dir or default_run_dir(recipe))
+    run = RunDir(run_dir or default_run_dir(recipe))
+    run.check_is_dir()
+    with err.status("preparing data (download, tokenizer training, encoding)..."):
+        prepared = prepare_data(cfg)
+    with run.writer():
+        run.attach(cfg, prepared.tokenizer_files)
+    train = prepared.split("train")
+    batches = TokenBatches(train.src_lens, train.tgt_lens, cfg.train.batch_tokens, cfg.train.seed)
+    show_prepared(prepared, batches.padding_fraction())
 
 
 class RichReporter:
     """Draws training progress: step, epoch, loss, lr, tokens/s, grad norm, ETA to the budget."""
 
-    def __init__(self) -> None:
+    def __init__(self, data_table: bool = True) -> None:
         from rich.progress import (
             BarColumn,
             Progress,
@@ -188,6 +188,11 @@ class RichReporter:
         )
         self.task = None
         self.info: dict = {}
+        self.data_table = data_table
+
+    def prepared(self, prepared, padding: float) -> None:
+        if self.data_table:
+            show_prepared(prepared, padding)
 
     def start(self, info: dict) -> None:
         self.info = info
@@ -242,44 +247,48 @@ def train(
     ),
 ) -> None:
     """Train the recipe's model (prepares the data first when it is missing or stale)."""
-    from nmt import checkpoint
-    from nmt.train import Progress, check_run_dir, nothing_to_train, preflight, spent_budget
+    from nmt.run import RunDir
     from nmt.train import train as run_train
 
+    run = RunDir(run_dir or default_run_dir(recipe))
     cfg = _load_config(recipe, sets)
-    run_dir = run_dir or default_run_dir(recipe)
-    last_path = check_run_dir(run_dir, resume)
+    if resume and run.config_file.is_file():  # the run's own config, these overrides on top
+        cfg = run.saved_config(sets)
     rank = int(os.environ.get("RANK", "0"))
-    if resume:
-        from nmt import config
-
-        saved = run_dir / "config.yaml"
-        if saved.is_file():  # the run's own config, with this invocation's overrides on top
-            cfg = config.load(saved, sets)
-        # A damaged last.pt fails here, before the run is touched; a spent budget ends here.
-        spent = spent_budget(Progress(**checkpoint.load(last_path)["progress"]), cfg.train)
-        if spent:
-            err.print(nothing_to_train(run_dir, spent))
-            return
-    preflight(cfg)  # device, precision, BLEU tokenizer: fail now, not after preparing data
-    if rank == 0:
-        run_prepare(cfg, run_dir)
     reporter = RichReporter() if rank == 0 else None
     try:
-        result = run_train(cfg, run_dir, resume=resume, reporter=reporter)
+        result = run_train(cfg, run.path, resume=resume, reporter=reporter)
     finally:
         if reporter:
             reporter.stop()
-    if rank == 0:
+    if rank == 0 and result.trained_steps:
         p = result.progress
         err.print(
             f"{result.stop_reason} at step {p.step:,} ({p.seconds / 60:.1f} min, "
-            f"{p.tokens:,} target tokens); checkpoints in {run_dir / 'checkpoints'}"
+            f"{p.tokens:,} target tokens); checkpoints in {run.checkpoints_dir}"
         )
         if result.stop_reason.startswith("interrupted"):
-            err.print(f"resume with: nmt train {recipe} --run-dir {run_dir} --resume")
-        if result.stop_reason.startswith("stopped:"):
-            sys.exit(1)
+            err.print(f"resume with: nmt train {recipe} --run-dir {run} --resume")
+    if result.stop_reason.startswith("stopped:"):
+        sys.exit(1)
+
+
+@contextlib.contextmanager
+def _progress_bar():
+    """A transient progress bar on stderr: yields `start(description)`, which returns the
+    `progress(total)` callback the library takes (it returns the per-batch tick)."""
+    from rich.progress import Progress
+
+    with Progress(console=err, transient=True) as bar:
+
+        def start(description: str):
+            def progress(total: int):
+                task = bar.add_task(description, total=total)
+                return lambda n: bar.advance(task, n)
+
+            return progress
+
+        yield start
 
 
 def _decode_device(device: str):
@@ -328,8 +337,9 @@ def translate(
     """Translate lines from --input or stdin; one output line per input line."""
     from nmt import config
     from nmt.device import resolve_precision
-    from nmt.evaluate import load_model, search_options, translate_lines
+    from nmt.files import replacing
     from nmt.metrics import read_text_lines, text_lines
+    from nmt.translate import load_model, search_options, translate_lines
 
     if sample and ((beam or 1) > 1 or (nbest or 1) > 1):
         raise NMTError("--sample draws one translation per sentence; drop --beam and --nbest")
@@ -414,7 +424,7 @@ def translate(
         if output is None:
             emit(lines, sys.stdout)
         else:
-            with _replacing(output) as f:
+            with replacing(output) as f:
                 emit(lines, f)
 
 
@@ -425,31 +435,9 @@ def _check_output(path: Path, source: Path | None) -> None:
         raise NMTError(f"--output {path} is a directory; give a file name")
 
 
-@contextlib.contextmanager
-def _replacing(path: Path):
-    """A text file written beside `path` and moved over it once complete, so a failure leaves
-    `path` as it was (and no temporary file). `_check_output` has vetted `path`."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        f = open(tmp, "w", encoding="utf-8")  # noqa: SIM115
-    except OSError as e:
-        raise NMTError(f"cannot write --output {path}: {e.strerror}") from None
-    try:
-        with f:
-            yield f
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _attention_plot(loaded, lines: list[str], opts, dev, prec, path: Path) -> None:
-    import torch
-
-    from nmt.device import autocast
-    from nmt.evaluate import translate_lines
     from nmt.plots import attention_heatmap
-    from nmt.search import force_decode
-    from nmt.special import EOS_ID
+    from nmt.translate import attention_of, translate_lines
 
     if len([ln for ln in lines if ln.strip()]) != 1:
         raise NMTError("--attention-plot needs exactly one input sentence")
@@ -457,18 +445,13 @@ def _attention_plot(loaded, lines: list[str], opts, dev, prec, path: Path) -> No
     (text, hyp), *_ = translate_lines(
         loaded.model, loaded.tokenizer, [line], opts, 10_000, dev, prec
     )[0]
-    ids = loaded.tokenizer.encode_src([line])[0]
-    src = torch.tensor([ids + [EOS_ID]], device=dev)
-    with autocast(dev, prec):
-        _, attention = force_decode(loaded.model, src, src != 0, hyp.tokens)
-    if attention is None:
+    att = attention_of(loaded.model, loaded.tokenizer, line, hyp.tokens, dev, prec)
+    if att is None:
         raise NMTError(
             f"the {loaded.payload['arch']} model has no attention (it reads the source through one "
             "fixed context vector); use an rnn_attention or transformer run"
         )
-    src_labels = loaded.tokenizer.src_pieces(line) + ["</s>"]
-    tgt_labels = loaded.tokenizer.tgt_pieces(hyp.tokens) + ["</s>"]
-    attention_heatmap(attention.cpu().numpy(), src_labels, tgt_labels, path, title=text)
+    attention_heatmap(att.weights, att.src_pieces, att.tgt_pieces, path, title=text)
     err.print(f"attention heatmap written to {path}")
 
 
@@ -501,15 +484,17 @@ def evaluate(
     from nmt.metrics import paired_bootstrap, read_text_lines, score
 
     if run is not None:
-        from nmt.evaluate import evaluate_run  # torch: only to translate
+        from nmt.evaluate import translate_split  # torch: only to translate
 
         if hyp is not None:
             raise NMTError("give either a run directory or --hyp, not both")
-        hyps, refs, hyp_path, run_lang = evaluate_run(
-            run, split, beam, precision, _decode_device(device), err
-        )
-        tgt_lang = tgt_lang or run_lang
-        refs_list = [refs]
+        with _progress_bar() as bar:
+            done = translate_split(
+                run, split, beam, precision, _decode_device(device), bar("translating")
+            )
+        hyps, hyp_path = done.hyps, done.path
+        tgt_lang = tgt_lang or done.tgt_lang
+        refs_list = [done.refs]
     else:
         if hyp is None or not ref:
             raise NMTError("give a run directory (with --split), or --hyp FILE and --ref FILE")
@@ -575,21 +560,26 @@ def average(
 ) -> None:
     """Average model parameters of several checkpoints into one."""
     from nmt import checkpoint
+    from nmt.run import RunDir
 
     if last < 0:
         raise NMTError(f"--last must be >= 1 (got {last})")
+    runs = RunDir(run)
     paths = list(checkpoints)
     if last:
-        kept = checkpoint.step_checkpoints(run)
+        kept = runs.step_checkpoints()
         if len(kept) < last:
             raise NMTError(f"{run} keeps {len(kept)} step checkpoints, fewer than --last {last}")
         paths += kept[-last:]
     if not paths:
         raise NMTError("say what to average: --last K or --checkpoint PATH (repeatable)")
-    target = output or run / "checkpoints" / "averaged.pt"
+    target = output or runs.checkpoint("averaged")
     if target.is_dir():
         raise NMTError(f"--output {target} is a directory; give a file name")
-    checkpoint.save(checkpoint.average(paths), target)
+    with runs.writer():  # no training may write the run meanwhile
+        averaged = checkpoint.average(paths)
+        averaged["run_dir"] = averaged.get("run_dir") or str(RunDir.of_checkpoint(paths[-1]).path)
+        checkpoint.save(averaged, target)
     err.print(f"averaged {len(paths)} checkpoints into {target}")
 
 
@@ -613,7 +603,7 @@ def compare(
         out_dir,
         sets,
         budget,
-        reporter_factory=RichReporter,
+        reporter_factory=functools.partial(RichReporter, data_table=False),
         say=lambda text: err.print(f"[bold cyan]{text}[/]"),
         bootstrap_samples=bootstrap_samples,
     )

@@ -11,24 +11,32 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from nmt import NMTError, checkpoint, config
 from nmt.config import Config, arch_of
-from nmt.data.prepare import attach, prepare
-from nmt.device import autocast, resolve_device, resolve_precision
-from nmt.evaluate import load_model, search_options, translate_texts
+from nmt.data.prepare import prepare
+from nmt.device import resolve_device, resolve_precision
+from nmt.files import write_atomic, write_lines
 from nmt.metrics import bleu_metric, check_bootstrap_samples, paired_bootstrap, score
 from nmt.models.base import count_parameters
-from nmt.search import force_decode
-from nmt.special import EOS_ID
-from nmt.train import Reporter, preflight, read_metrics, train
+from nmt.run import RunDir
+from nmt.train import Reporter, preflight, train
+from nmt.translate import (
+    Attention,
+    attention_of,
+    load_model,
+    search_options,
+    translate_lines,
+    translate_texts,
+)
+
+log = logging.getLogger(__name__)
 
 LENGTH_BUCKETS = [(1, 10), (11, 15), (16, 20), (21, 25), (26, 10_000)]
 
@@ -76,19 +84,23 @@ def _task(cfg: Config) -> tuple:
 def ensure_trained(
     system: System, reporter_factory: Callable[[], Reporter | None], say: Callable[[str], None]
 ) -> str:
-    """Train, resume or reuse; returns what was done."""
-    last = system.run_dir / "checkpoints" / "last.pt"
-    if last.is_file():
-        progress = checkpoint.load(last)["progress"]
-        if progress.get("finished"):
-            say(f"{system.name}: reusing finished run {system.run_dir} ({progress['finished']})")
+    """Train, resume or reuse (the run's state under its budget, `RunDir.state`); returns what
+    was done. A run that another process is writing is refused, also for reuse."""
+    run = RunDir(system.run_dir)
+    state = run.state(system.cfg.train)
+    if state.kind == "finished":
+        with run.writer():  # refused while another process writes it; nothing to write
+            state = run.state(system.cfg.train)
+        if state.kind == "finished":
+            say(f"{system.name}: reusing finished run {system.run_dir} ({state.reason})")
             return "reused"
-        say(f"{system.name}: resuming unfinished run {system.run_dir} from step {progress['step']}")
-        resume = True
+    resume = state.kind == "resumable"
+    if resume:
+        say(
+            f"{system.name}: resuming unfinished run {system.run_dir} from step {state.progress.step}"
+        )
     else:
         say(f"{system.name}: training into {system.run_dir}")
-        resume = False
-    attach(prepare(system.cfg), system.cfg, system.run_dir)
     reporter = reporter_factory()
     try:
         result = train(system.cfg, system.run_dir, resume=resume, reporter=reporter)
@@ -122,13 +134,12 @@ def evaluate_system(system: System, out: Path, splits: list[str], device) -> dic
     loaded = load_model(system.run_dir, device)
     cfg = system.cfg
     precision = resolve_precision(cfg.decode.precision, device)
-    payload = checkpoint.load(system.run_dir / "checkpoints" / "last.pt")
+    run = RunDir(system.run_dir)
+    payload = checkpoint.load(run.checkpoint("last"))
     progress = payload["progress"]
     history = progress["history"]
     prepared = prepare(cfg)
-    train_records = [
-        r for r in read_metrics(system.run_dir / "metrics.jsonl") if r["kind"] == "train"
-    ]
+    train_records = [r for r in run.metrics() if r["kind"] == "train"]
     result: dict[str, Any] = {
         "name": system.name,
         "arch": arch_of(cfg.model),
@@ -164,33 +175,21 @@ def evaluate_system(system: System, out: Path, splits: list[str], device) -> dic
         )
         decode_seconds += time.perf_counter() - t0
         decode_sentences += len(hyps)
-        path = out / "translations" / f"{system.name}.{split}.{cfg.data.tgt}"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+        write_lines(out / "translations" / f"{system.name}.{split}.{cfg.data.tgt}", hyps)
         result["translations"][split] = hyps
     result["decode_sentences_per_s"] = decode_sentences / max(decode_seconds, 1e-9)
     return result
 
 
-def attention_example(
-    system: System, sentence: str, device
-) -> tuple[Any, list[str], list[str]] | None:
-    """Attention of the system's own translation of `sentence`: (weights[T,S], src, tgt)."""
+def attention_example(system: System, sentence: str, device) -> Attention | None:
+    """Attention of the system's own translation of `sentence` (its decode settings)."""
     loaded = load_model(system.run_dir, device)
-    ids = loaded.tokenizer.encode_src([sentence])[0]
-    src = torch.tensor([ids + [EOS_ID]], device=device)
     opts = search_options(system.cfg.decode, nbest=1)
-    from nmt.search import search
-
     precision = resolve_precision(system.cfg.decode.precision, device)
-    with torch.no_grad(), autocast(device, precision):
-        hyp = search(loaded.model, src, src != 0, opts)[0][0]
-        _, attention = force_decode(loaded.model, src, src != 0, hyp.tokens)
-    if attention is None:
-        return None
-    src_labels = loaded.tokenizer.src_pieces(sentence) + ["</s>"]
-    tgt_labels = loaded.tokenizer.tgt_pieces(hyp.tokens) + ["</s>"]
-    return attention.float().cpu().numpy(), src_labels, tgt_labels
+    (_, hyp), *_ = translate_lines(
+        loaded.model, loaded.tokenizer, [sentence], opts, 10_000, device, precision
+    )[0]
+    return attention_of(loaded.model, loaded.tokenizer, sentence, hyp.tokens, device, precision)
 
 
 def compare(
@@ -199,7 +198,7 @@ def compare(
     sets: list[str] | None = None,
     budget: float | None = None,
     reporter_factory: Callable[[], Reporter | None] = lambda: None,
-    say: Callable[[str], None] = print,
+    say: Callable[[str], None] = log.info,
     bootstrap_samples: int = 1000,
 ) -> dict[str, Any]:
     """Train/reuse every recipe, evaluate all identically, write report.{md,json} and plots."""
@@ -268,8 +267,8 @@ def compare(
         "example_sentence": example,
     }
     _write_plots(report, systems, out, device, example)
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    (out / "report.md").write_text(_markdown(report, results, prepared, splits))
+    write_atomic(out / "report.json", json.dumps(report, indent=2))
+    write_atomic(out / "report.md", _markdown(report, results, prepared, splits))
     return report
 
 
@@ -340,7 +339,11 @@ def _write_plots(report: dict, systems: list[System], out: Path, device, example
             continue
         name = f"attention_{system.name}.png"
         plots.attention_heatmap(
-            att[0], att[1], att[2], out / name, title=f"{system.name}: {example}"
+            att.weights,
+            att.src_pieces,
+            att.tgt_pieces,
+            out / name,
+            title=f"{system.name}: {example}",
         )
         report["plots"].append(name)
 

@@ -3,7 +3,7 @@
 A recipe has five sections: `data`, `tokenizer`, `model`, `train`, `decode`. Every key is
 checked against the dataclass of its section: an unknown key, a wrong type or an invalid
 value raises `ConfigError` naming the key and the valid choices. The `model` section is
-typed by the dataclass that the registry pairs with `model.arch`.
+typed by the dataclass that `nmt.models.configs.CONFIGS` names for `model.arch`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Any, Literal
 import yaml
 
 from nmt import NMTError
-from nmt.models.registry import ARCHITECTURES, ModelConfig
+from nmt.models.configs import CONFIGS, ModelConfig, TransformerConfig
+from nmt.models.configs import arch_of as _arch_of
 
 MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
 
@@ -149,6 +150,11 @@ class TrainConfig:
     average_last: int = 1
     max_nonfinite: int = 10  # consecutive non-finite losses before training stops
     tensorboard: bool = False
+    # Bit-exact resume on CUDA: deterministic kernels (torch.use_deterministic_algorithms,
+    # cuBLAS workspace, cuDNN), somewhat slower. CPU training is deterministic without it.
+    deterministic: bool = False
+    tf32: bool = True  # fp32 matmuls and convolutions on TensorFloat-32 units (CUDA, Ampere+)
+    dist_timeout_minutes: float = 120.0  # how long ranks wait for each other (rank 0 validates)
 
     def __post_init__(self) -> None:
         _check(self.batch_tokens >= 16, "train.batch_tokens", "must be >= 16")
@@ -179,6 +185,8 @@ class TrainConfig:
             "(the step checkpoints kept plus last.pt)",
         )
         _check(self.valid_beam >= 1, "train.valid_beam", "must be >= 1")
+        _check(self.max_nonfinite >= 1, "train.max_nonfinite", "must be >= 1")
+        _check(self.dist_timeout_minutes > 0, "train.dist_timeout_minutes", "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -216,7 +224,7 @@ class DecodeConfig:
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    model: ModelConfig = field(default_factory=lambda: ARCHITECTURES["transformer"].config())
+    model: ModelConfig = field(default_factory=TransformerConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(max_steps=1000))
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
@@ -252,10 +260,11 @@ SECTIONS: dict[str, type] = {
 
 
 def arch_of(model_config: ModelConfig) -> str:
-    for name, entry in ARCHITECTURES.items():
-        if type(model_config) is entry.config:
-            return name
-    raise ConfigError(f"model config {type(model_config).__name__} is not registered")
+    """The architecture name of a model config (`model.arch`)."""
+    try:
+        return _arch_of(model_config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check(ok: bool, key: str, message: str) -> None:
@@ -375,11 +384,11 @@ def from_dict(raw: dict[str, Any]) -> Config:
         sections[name] = build_section(cls, values, name)
     model_raw = dict(raw.get("model") or {})
     arch = model_raw.pop("arch", "transformer")
-    if not isinstance(arch, str) or arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in CONFIGS:
         raise ConfigError(
-            f"bad value for model.arch: {arch!r}; valid choices: {', '.join(ARCHITECTURES)}"
+            f"bad value for model.arch: {arch!r}; valid choices: {', '.join(CONFIGS)}"
         )
-    sections["model"] = build_section(ARCHITECTURES[arch].config, model_raw, "model")
+    sections["model"] = build_section(CONFIGS[arch], model_raw, "model")
     return Config(**sections)
 
 

@@ -6,11 +6,14 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import os
 import sys
+from collections.abc import Iterator
 
 import torch
 
 from nmt import NMTError
+from nmt.cpu import cpu_has_bf16
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -28,23 +31,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-@functools.cache
-def cpu_has_bf16() -> bool:
-    """Native bf16 matrix units (AVX512-BF16 / AMX) make CPU bf16 autocast worthwhile."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+def cuda_has_bf16(device: torch.device) -> bool:
+    """Native bf16 on this GPU: compute capability 8.0 (Ampere) or later. Not
+    `torch.cuda.is_bf16_supported()`, which also says yes where bf16 is only emulated."""
+    major, _ = torch.cuda.get_device_capability(device)
+    return major >= 8
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """`auto` -> the fastest safe choice: bf16 on CUDA when supported (else fp16), bf16 on CPUs
-    with native bf16, fp32 otherwise. fp16 needs CUDA."""
+    """`auto` -> the fastest safe choice: bf16 on GPUs with native bf16 (else fp16 with loss
+    scaling), bf16 on CPUs with native bf16, fp32 otherwise. fp16 needs CUDA."""
     if precision != "auto" and precision not in DTYPES:
         raise NMTError(f"unknown precision {precision!r}; choose auto, fp32, bf16 or fp16")
     if precision == "auto":
         if device.type == "cuda":
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+            return "bf16" if cuda_has_bf16(device) else "fp16"
         return "bf16" if cpu_has_bf16() else "fp32"
     if precision == "fp16" and device.type != "cuda":
         raise NMTError("precision fp16 needs a CUDA device; on CPU use bf16 or fp32")
@@ -56,6 +57,47 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def configure_device(device: torch.device, tf32: bool = True) -> None:
+    """Process settings for work on `device`: on CPU the host tuning (`configure_host`), on
+    CUDA TensorFloat-32 for fp32 matmuls and convolutions when `tf32` (Ampere and later; the
+    CPU's oneDNN precision is left alone). A GPU run gets none of the host tuning."""
+    if device.type == "cpu":
+        configure_host()
+    elif device.type == "cuda":
+        if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
+            precision = "tf32" if tf32 else "ieee"
+            torch.backends.cuda.matmul.fp32_precision = precision
+            torch.backends.cudnn.conv.fp32_precision = precision
+            torch.backends.cudnn.rnn.fp32_precision = precision
+        else:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            torch.backends.cudnn.allow_tf32 = tf32
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool) -> Iterator[None]:
+    """With `enabled`, deterministic kernels for the scope (`torch.use_deterministic_algorithms`,
+    cuBLAS's workspace setting, cuDNN without benchmarking), so that a resumed CUDA run is
+    bit-exact on the same GPU; the process' settings are restored after it."""
+    if not enabled:
+        yield
+        return
+    # cuBLAS reads this when it creates its handle: set before the first CUDA matmul.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1:]
 
 
 @functools.cache

@@ -1,43 +1,52 @@
 """`nmt train`: one trainer for every architecture.
 
-`train(cfg, run_dir)` reads top to bottom: set up (distributed, seed, data, model, optimizer,
-resume), then loop: schedule -> accumulate -> clip -> step -> log -> validate -> checkpoint,
-until the first budget (steps, epochs, minutes) runs out. The learning rate is a pure function
-of the step (times a reduce-on-plateau factor kept in the checkpoint).
+`train(cfg, run_dir)` reads top to bottom: check, prepare, lock the run, set up (processes,
+model, optimizer, resume), then loop: schedule -> step -> measure -> decide -> validate ->
+checkpoint, until the first budget (steps, epochs, minutes) runs out or a signal arrives. The
+learning rate is a pure function of the step (times a reduce-on-plateau factor kept in the
+checkpoint). The run directory's layout, state and budget rule live in `nmt.run`; the
+process group and RNG states in `nmt.distributed`.
+
+No step waits for the device: losses, gradient norms and non-finite counts stay on it
+(`StepMeter`) and are read every `read_every` steps (every step on CPU, where a read costs
+nothing; every `train.log_every` steps on CUDA). Ranks agree on host flags (signals, time) in
+one small gloo all-reduce per step, and on step token counts without talking
+(`TokenBatches.steps`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import math
-import os
-import random
 import signal
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from nmt import NMTError, checkpoint
+from nmt import NMTError, checkpoint, distributed
 from nmt.config import Config, TrainConfig, arch_of
 from nmt.data.batching import Batch, EncodedSplit, TokenBatches
 from nmt.data.prepare import Prepared, prepare
-from nmt.device import autocast, configure_host, resolve_device, resolve_precision
-from nmt.evaluate import translate_texts
+from nmt.device import (
+    autocast,
+    configure_device,
+    deterministic_algorithms,
+    resolve_device,
+    resolve_precision,
+)
+from nmt.distributed import World
 from nmt.metrics import bleu_metric, score
 from nmt.models.base import Vocab, count_parameters
 from nmt.models.registry import build_model
+from nmt.run import RunDir, RunLog, TrainProgress, spent_budget, step_of
 from nmt.special import PAD_ID
-
-log = logging.getLogger(__name__)
-
+from nmt.translate import translate_texts
 
 # -- pure pieces ----------------------------------------------------------------------------
 
@@ -69,104 +78,16 @@ def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor, eps: float) 
     )
 
 
-def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
+def better(metric: str, value: float, best: float | None) -> bool:
+    if best is None:
+        return True
+    return value < best if metric == "loss" else value > best
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(_tuples(state["python"]))
-    n = state["numpy"]
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
-    torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _tuples(x: Any) -> Any:
-    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-# -- observability hooks (drawn by the CLI) -------------------------------------------------
-
-
-class Reporter(Protocol):
-    def start(self, info: dict[str, Any]) -> None: ...
-    def log(self, record: dict[str, Any]) -> None: ...
-    def validation(self, record: dict[str, Any]) -> None: ...
-    def message(self, text: str) -> None: ...
-
-
-class NullReporter:
-    def start(self, info: dict[str, Any]) -> None:
-        pass
-
-    def log(self, record: dict[str, Any]) -> None:
-        pass
-
-    def validation(self, record: dict[str, Any]) -> None:
-        pass
-
-    def message(self, text: str) -> None:
-        log.info(text)
-
-
-@dataclass
-class Progress:
-    """Everything that moves during training; saved in every checkpoint."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0  # batches of this rank already consumed in `epoch`
-    tokens: int = 0  # target tokens trained on (all ranks)
-    seconds: float = 0.0  # wall clock since the start, across resumes
-    train_seconds: float = 0.0  # of which in training steps (no validation or checkpointing)
-    plateau_scale: float = 1.0
-    plateau_bad: int = 0
-    best_value: float | None = None
-    best_step: int = 0
-    bad_validations: int = 0
-    skipped_steps: int = 0
-    finished: str = ""  # why a completed run ended (budget, early stopping); empty otherwise
-    history: list[dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass
-class Result:
-    run_dir: Path
-    progress: Progress
-    stop_reason: str
-
-
-def spent_budget(progress: Progress, t: TrainConfig) -> str:
-    """Why a run cannot train further under the budgets of `t` ('' when it can)."""
-    if t.max_steps is not None and progress.step >= t.max_steps:
-        return f"reached train.max_steps={t.max_steps}"
-    if t.max_epochs is not None and progress.epoch >= t.max_epochs:
-        return f"reached train.max_epochs={t.max_epochs}"
-    if t.max_minutes is not None and progress.seconds >= t.max_minutes * 60:
-        return f"reached train.max_minutes={t.max_minutes}"
-    stopped = progress.finished.startswith("early stopping")
-    if stopped and t.patience is not None and progress.bad_validations >= t.patience:
-        return progress.finished
-    return ""
-
-
-def nothing_to_train(run_dir: Path, spent: str) -> str:
+def nothing_to_train(run: RunDir, spent: str) -> str:
     """What to tell a user who resumes a run whose budget (or patience) is spent."""
     key = "train.patience" if spent.startswith("early stopping") else spent.split()[1].split("=")[0]
-    return f"the run in {run_dir} has {spent} already; raise {key} with --set to train further"
+    return f"the run in {run} has {spent} already; raise {key} with --set to train further"
 
 
 def preflight(cfg: Config) -> tuple[torch.device, str]:
@@ -179,87 +100,291 @@ def preflight(cfg: Config) -> tuple[torch.device, str]:
     return device, precision
 
 
-def better(metric: str, value: float, best: float | None) -> bool:
-    if best is None:
-        return True
-    return value < best if metric == "loss" else value > best
+# -- observability hooks (drawn by the CLI) -------------------------------------------------
 
 
-# -- distributed ----------------------------------------------------------------------------
+class Reporter(Protocol):
+    def prepared(self, prepared: Prepared, padding: float) -> None: ...
+    def start(self, info: dict[str, Any]) -> None: ...
+    def log(self, record: dict[str, Any]) -> None: ...
+    def validation(self, record: dict[str, Any]) -> None: ...
+    def message(self, text: str) -> None: ...
 
 
-def _distributed(cuda: bool) -> tuple[int, int]:
-    """(rank, world size); under torchrun, joins the process group: NCCL when training on
-    CUDA, gloo on CPU (also on a machine with GPUs when train.device=cpu)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    if world > 1:
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+class NullReporter:
+    def prepared(self, prepared: Prepared, padding: float) -> None:
+        pass
+
+    def start(self, info: dict[str, Any]) -> None:
+        pass
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def validation(self, record: dict[str, Any]) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
 
 
-def _all_sum(value: float, world: int, device: torch.device) -> float:
-    """The sum of `value` over all ranks (on `device`: NCCL reduces CUDA tensors only)."""
-    if world == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return float(t.item())
+@dataclass
+class Result:
+    run_dir: Path
+    progress: TrainProgress
+    stop_reason: str
+    trained_steps: int = 0  # steps this call trained (0: the budget was spent already)
 
 
-# -- the trainer ----------------------------------------------------------------------------
+# -- what is trained ------------------------------------------------------------------------
 
 
-class _Signals:
-    """SIGINT/SIGTERM: finish the current step, checkpoint, exit cleanly."""
+@dataclass
+class Trainee:
+    """The model being trained and what updates it. `model` holds the parameters
+    (checkpointed, validated); `runner` is what a step calls: the model, wrapped for
+    data-parallel training and compiled as configured."""
 
-    def __init__(self) -> None:
-        self.received: str | None = None
-        self._old: dict[int, Any] = {}
+    model: torch.nn.Module
+    runner: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    precision: str
+    world: World
 
-    def __enter__(self) -> _Signals:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
-                pass
-        return self
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        self.received = signal.Signals(signum).name
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
 
-def _vocab(prepared: Prepared) -> Vocab:
-    v = prepared.summary["vocab"]
-    return Vocab(src_size=v["src"], tgt_size=v["tgt"], shared=v["joint"])
+def build_trainee(
+    cfg: Config, vocab: Vocab, device: torch.device, precision: str, world: World
+) -> Trainee:
+    """Model (seeded by train.seed), Adam(W) and the fp16 loss scaler; not yet wrapped."""
+    distributed.seed_everything(cfg.train.seed)
+    model = build_model(arch_of(cfg.model), cfg.model, vocab).to(device)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    return Trainee(model, model, make_optimizer(model, cfg.train), scaler, precision, world)
 
 
-def _validation_loss(
+def make_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
+    """Adam or AdamW, fused; weight decay on matrices only (not on biases and norms)."""
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    no_decay = [p for p in model.parameters() if p.dim() <= 1]
+    opt_cls = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
+    return opt_cls(
+        [
+            {"params": decay, "weight_decay": t.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=t.lr,
+        betas=t.betas,
+        eps=t.eps,
+        fused=True,  # one kernel per step instead of ~10 per parameter (CPU and CUDA)
+    )
+
+
+def wrap(trainee: Trainee, compile_model: bool) -> None:
+    """DistributedDataParallel for several processes, then torch.compile when asked: the
+    order PyTorch documents, so that compilation sees DDP's gradient buckets and can split
+    its graphs at their boundaries."""
+    runner = trainee.model
+    if trainee.world.size > 1:
+        device = trainee.device
+        runner = torch.nn.parallel.DistributedDataParallel(
+            runner, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    if compile_model:
+        runner = torch.compile(runner)
+    trainee.runner = runner
+
+
+# -- one optimizer step ---------------------------------------------------------------------
+
+
+@dataclass
+class StepResult:
+    """What one step measured, on the device (0-d tensors)."""
+
+    loss: torch.Tensor  # summed label-smoothed loss of the step, all ranks (float64)
+    grad_norm: torch.Tensor  # before clipping
+    bad: torch.Tensor  # counts towards train.max_nonfinite (bool)
+    skipped: torch.Tensor  # the optimizer left the weights as they were (bool)
+
+
+def accumulate(
+    model: torch.nn.Module,
+    batches: list[Batch],
+    step_tokens: float,
+    world: World,
+    precision: str,
+    scaler: torch.amp.GradScaler,
+    t: TrainConfig,
+) -> torch.Tensor:
+    """Forward/backward over the micro-batches of one step (on the device), gradients
+    normalised by the target tokens of the whole step on all ranks. Returns the step's summed
+    loss over all ranks (0-d float64 on the device; nothing here waits for it)."""
+    device = batches[0].src.device
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        sync = contextlib.nullcontext() if (last or world.size == 1) else model.no_sync()
+        with sync:
+            with autocast(device, precision):
+                logits = model(batch.src, batch.src_mask, batch.tgt_in, batch.src_lengths)
+            loss = label_smoothed_loss(logits, batch.tgt_out, t.label_smoothing)
+            # DDP averages gradients over ranks: multiply by world to get a sum over all tokens.
+            scaler.scale(loss * (world.size / step_tokens)).backward()
+        loss_sum += loss.detach()
+    return distributed.device_sum_(loss_sum, world)  # every rank sees the step's loss
+
+
+def update(trainee: Trainee, loss_sum: torch.Tensor, t: TrainConfig) -> StepResult:
+    """Clip the accumulated gradients, step the optimizer, zero the gradients.
+
+    A step with a non-finite loss or gradient leaves the weights as they are: without loss
+    scaling the fused optimizer is told so through its `found_inf` input (the protocol
+    GradScaler uses with it), with it (fp16) the scaler skips the step itself and halves its
+    scale; there only a non-finite loss is `bad`, gradient overflow being the scaler's
+    business. Nothing here waits for the device."""
+    optimizer, scaler = trainee.optimizer, trainee.scaler
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        trainee.model.parameters(), t.clip_norm or float("inf")
+    )
+    grad_bad = ~torch.isfinite(grad_norm)
+    loss_bad = ~torch.isfinite(loss_sum)
+    if scaler.is_enabled():
+        scaler.step(optimizer)
+        scaler.update()
+        bad, skipped = loss_bad, grad_bad
+    else:
+        bad = skipped = loss_bad | grad_bad
+        optimizer.found_inf = skipped.float()  # the fused kernel skips the update when 1
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_sum, grad_norm.detach(), bad, skipped)
+
+
+def train_step(
+    trainee: Trainee, batches: list[Batch], step_tokens: float, t: TrainConfig
+) -> StepResult:
+    """One optimizer step on the micro-batches `batches`: `accumulate`, then `update`."""
+    loss_sum = accumulate(
+        trainee.runner, batches, step_tokens, trainee.world, trainee.precision, trainee.scaler, t
+    )
+    return update(trainee, loss_sum, t)
+
+
+class StepMeter:
+    """Sums of what the steps measure, kept on the device and read on the host (`read`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._values = torch.zeros(4, dtype=torch.float64, device=device)
+        self._carry = torch.tensor([0.0, 1.0, 1.0, 0.0], dtype=torch.float64, device=device)
+        self.grad_norm = float("nan")  # of the last step read
+
+    def add(self, r: StepResult) -> None:
+        """loss sum, last grad norm, consecutive bad steps, skipped steps."""
+        v = self._values
+        bad = r.bad.to(v.dtype)
+        self._values = torch.stack(
+            [v[0] + r.loss, r.grad_norm.to(v.dtype), (v[2] + 1) * bad, v[3] + r.skipped]
+        )
+
+    def read(self) -> tuple[float, int, int]:
+        """(loss sum and skipped steps since the last read, consecutive bad steps): one
+        transfer from the device. The consecutive count carries over."""
+        loss, self.grad_norm, bad_run, skipped = self._values.tolist()
+        self._values = self._values * self._carry
+        return loss, int(skipped), int(bad_run)
+
+
+@dataclass
+class LogWindow:
+    """Target tokens and loss since the last log record, and when that window opened."""
+
+    tokens: int = 0
+    loss: float = 0.0
+    step_seconds: float = 0.0  # in train_step (CPU: the compute; CUDA: queueing it)
+    opened: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens, self.loss, self.step_seconds = 0, 0.0, 0.0
+        self.opened = time.perf_counter()
+
+    def record(self, progress: TrainProgress, lr: float, grad_norm: float) -> dict[str, Any]:
+        """The metrics record of the window, which then starts anew."""
+        now = time.perf_counter()
+        record = {
+            "kind": "train",
+            "step": progress.step,
+            "epoch": progress.epoch,
+            "loss": self.loss / max(self.tokens, 1),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": self.tokens / max(now - self.opened, 1e-9),
+            "minutes": progress.seconds / 60,
+            "skipped": progress.skipped_steps,
+            "step_seconds": self.step_seconds,
+        }
+        self.tokens, self.loss, self.step_seconds, self.opened = 0, 0.0, 0.0, now
+        return record
+
+
+# -- the data of each step ------------------------------------------------------------------
+
+
+def device_steps(
+    split: EncodedSplit, steps: list[tuple[list[Any], int]], device: torch.device
+) -> Iterator[tuple[list[Batch], int]]:
+    """The micro-batches of each step on the device, with the step's token count. On CUDA
+    they are collated into pinned memory and their copies queued one step ahead, so the
+    host never waits for a copy and the next step's batches travel while this one runs."""
+    pin = device.type == "cuda"
+    pending = None
+    for indices, tokens in steps:
+        ready = ([split.collate(i, pin=pin).to(device) for i in indices], tokens)
+        if pending is not None:
+            yield pending
+        pending = ready
+    if pending is not None:
+        yield pending
+
+
+# -- validation -----------------------------------------------------------------------------
+
+
+def validation_loss(
     model: torch.nn.Module, split: EncodedSplit, cfg: Config, device, precision
 ) -> dict:
     """Mean NLL (and perplexity) per target token on a split, in fixed batches."""
     batches = TokenBatches(split.src_lens, split.tgt_lens, cfg.train.batch_tokens, 0, shuffle=False)
-    nll = tokens = 0.0
+    nll = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = 0
     model.eval()
     with torch.no_grad(), autocast(device, precision):
         for idx in batches.epoch(0):
             b = split.collate(idx).to(device)
-            logits = model(b.src, b.src_mask, b.tgt_in)
-            nll += float(label_smoothed_loss(logits, b.tgt_out, 0.0))
+            logits = model(b.src, b.src_mask, b.tgt_in, b.src_lengths)
+            nll += label_smoothed_loss(logits, b.tgt_out, 0.0)
             tokens += b.tgt_tokens
-    loss = nll / max(tokens, 1)
+    loss = float(nll) / max(tokens, 1)
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
 
 
 def validate(
     model, prepared: Prepared, split: EncodedSplit, cfg: Config, device, precision
 ) -> dict:
-    record = _validation_loss(model, split, cfg, device, precision)
+    """Loss and perplexity on the validation split, and with train.valid_bleu BLEU and chrF
+    of its translations (train.valid_beam, the first train.valid_max_sentences)."""
+    record = validation_loss(model, split, cfg, device, precision)
     if cfg.train.valid_bleu:
         n = cfg.train.valid_max_sentences or len(split)
         hyps = translate_texts(
@@ -276,18 +401,226 @@ def validate(
     return record
 
 
-def check_run_dir(run_dir: Path, resume: bool) -> Path:
-    """Never overwrite a run by accident; never resume from nothing. Returns last.pt's path."""
-    last_path = run_dir / "checkpoints" / "last.pt"
-    if run_dir.exists() and not run_dir.is_dir():
-        raise NMTError(f"{run_dir} is a file, not a run directory; choose another --run-dir")
-    if not resume and last_path.exists():
+def early_stop_metric(t: TrainConfig) -> str:
+    return t.early_stop_metric if t.valid_bleu or t.early_stop_metric == "loss" else "loss"
+
+
+def book_validation(record: dict[str, Any], progress: TrainProgress, t: TrainConfig) -> bool:
+    """Enter a validation record in the progress: marks it best or not, keeps it in the
+    history; returns whether it is the best so far. Records of averaged weights (they carry
+    `averaged`) leave the early-stopping and plateau counters alone."""
+    metric = early_stop_metric(t)
+    record["best"] = better(metric, record[metric], progress.best_value)
+    if record["best"]:
+        progress.best_value, progress.best_step = record[metric], progress.step
+    progress.history.append(record)
+    if "averaged" in record:
+        return record["best"]
+    progress.bad_validations = 0 if record["best"] else progress.bad_validations + 1
+    if t.schedule == "plateau":
+        progress.plateau_bad = 0 if record["best"] else progress.plateau_bad + 1
+        if progress.plateau_bad > t.plateau_patience:
+            progress.plateau_scale *= t.plateau_factor
+            progress.plateau_bad = 0
+    return record["best"]
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Writes the run's checkpoints (rank 0): last.pt, step-N.pt (the newest train.keep_last
+    kept) and best.pt, each self-describing (config, vocabulary, tokenizer, progress, RNG)."""
+
+    def __init__(self, run: RunDir, cfg: Config, vocab: Vocab, prepared: Prepared) -> None:
+        self.run, self.cfg, self.vocab, self.prepared = run, cfg, vocab, prepared
+
+    def payload(
+        self, trainee: Trainee, progress: TrainProgress, rngs: list[dict], **extra: Any
+    ) -> dict[str, Any]:
+        v = self.vocab
+        return {
+            **extra,
+            "config": self.cfg.to_dict(),
+            "arch": arch_of(self.cfg.model),
+            "vocab": {"src_size": v.src_size, "tgt_size": v.tgt_size, "shared": v.shared},
+            "model": trainee.model.state_dict(),
+            "optimizer": trainee.optimizer.state_dict(),
+            "scaler": trainee.scaler.state_dict() if trainee.scaler.is_enabled() else {},
+            "progress": progress.to_dict(),
+            "rng": rngs,
+            "tokenizer": self.run.tokenizer_files(),
+            "prepared": str(self.prepared.dir),
+            "run_dir": str(self.run.path.resolve()),  # the tokenizer's home if the file moves
+        }
+
+    def save(self, kind: str, payload: dict[str, Any], step: int) -> None:
+        """kind: "best", "last", or "step" (last.pt and step-N.pt)."""
+        if kind == "best":
+            checkpoint.save(payload, self.run.checkpoint("best"))
+            return
+        checkpoint.save(payload, self.run.checkpoint("last"))
+        keep = self.cfg.train.keep_last
+        if kind == "step" and keep > 0:
+            checkpoint.save(payload, self.run.step_checkpoint(step))
+            for old in self.run.step_checkpoints()[:-keep]:
+                old.unlink()
+
+    def latest_saves(self, step: int, k: int) -> dict[int, Path]:
+        """The newest `k` saves by step: step checkpoints and last.pt (at `step`)."""
+        saves = {step_of(p): p for p in self.run.step_checkpoints()}
+        saves[step] = self.run.checkpoint("last")
+        return {s: saves[s] for s in sorted(saves)[-k:]}
+
+
+# -- signals --------------------------------------------------------------------------------
+
+
+class Signals:
+    """SIGINT/SIGTERM: finish the current step, checkpoint, exit cleanly."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> Signals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+# -- the trainer ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Session:
+    """What stays fixed while a run trains, for the phases of the loop."""
+
+    cfg: Config
+    run: RunDir
+    prepared: Prepared
+    valid: EncodedSplit
+    device: torch.device
+    world: World
+    saver: Checkpointer
+    reporter: Reporter
+    runlog: RunLog | None  # rank 0 only
+
+
+def check_start(run: RunDir, cfg: Config, resume: bool) -> TrainProgress | str | None:
+    """What this call starts from: None for a new run, the progress of the run to resume, or
+    (a string) why the run has nothing left to train. Raises for a run it must not touch."""
+    state = run.state(cfg.train if resume else None)
+    if not resume and state.kind in ("resumable", "finished"):
         raise NMTError(
-            f"{run_dir} already holds a trained run; continue it with --resume or choose another --run-dir"
+            f"{run} already holds a trained run; continue it with --resume or choose another "
+            "--run-dir"
         )
-    if resume and not last_path.exists():
-        raise NMTError(f"nothing to resume: {last_path} does not exist; drop --resume to start")
-    return last_path
+    if resume and state.kind in ("empty", "configured"):
+        raise NMTError(
+            f"nothing to resume: {run.checkpoint('last')} does not exist; drop --resume to start"
+        )
+    if state.kind == "finished":
+        return state.reason
+    return state.progress
+
+
+def resume_from(
+    run: RunDir, trainee: Trainee, batches: TokenBatches, t: TrainConfig, reporter: Reporter
+) -> TrainProgress:
+    """Load last.pt into the trainee; restore the RNG states and the data position. Exact when
+    as many processes resume as saved the run; otherwise the position in the epoch and the
+    RNG states are re-derived, and the reporter says so."""
+    payload = checkpoint.load(run.checkpoint("last"))
+    trainee.model.load_state_dict(payload["model"])
+    trainee.optimizer.load_state_dict(payload["optimizer"])
+    if payload.get("scaler"):
+        trainee.scaler.load_state_dict(payload["scaler"])
+    progress = TrainProgress.from_dict(payload["progress"])
+    world, saved = trainee.world, len(payload["rng"])
+    exact = distributed.restore_rngs(payload["rng"], world, trainee.device, t.seed, progress.step)
+    if saved != world.size:
+        progress.batch_in_epoch = batches.resume_start(
+            progress.epoch, progress.batch_in_epoch, saved
+        )
+    if not exact and world.is_main:
+        reporter.message(
+            f"resuming with {world.size} process(es) a run saved by {saved}: the position in "
+            "the epoch and the random states are re-derived, so the run is not bit-exact"
+        )
+    progress.finished = ""  # this invocation's budgets decide when the run is complete
+    return progress
+
+
+def decide(progress: TrainProgress, t: TrainConfig, signals: Signals, world: World) -> str:
+    """Why training stops after this step ('' to go on): a budget (steps, epochs, minutes) or
+    a signal. Every rank must stop at the same step: they agree on the host flags (a signal
+    received, the clock past train.max_minutes) in one all-reduce."""
+    over_time = t.max_minutes is not None and progress.seconds >= t.max_minutes * 60
+    flags = [float(signals.received is not None), float(over_time)]
+    got_signal, out_of_time = distributed.host_sum(flags, world)
+    reason = spent_budget(progress, t, out_of_time=out_of_time > 0)
+    if not reason and got_signal:
+        reason = f"interrupted ({signals.received or 'signal on another rank'})"
+    return reason
+
+
+def validate_and_book(
+    s: Session, trainee: Trainee, progress: TrainProgress, rngs: list[dict], **extra: Any
+) -> dict[str, Any]:
+    """Rank 0: validate the model's current weights, log the record, keep it in the history,
+    save best.pt when it is the best so far. Returns the record."""
+    record = validate(trainee.model, s.prepared, s.valid, s.cfg, s.device, trainee.precision)
+    record.update({"kind": "valid", "step": progress.step, "epoch": progress.epoch})
+    record.update({"minutes": progress.seconds / 60, "tokens": progress.tokens, **extra})
+    book_validation(record, progress, s.cfg.train)
+    s.runlog.record(record)
+    s.reporter.validation(record)
+    s.runlog.info("validation: %s", json.dumps(record))
+    if record["best"]:
+        s.saver.save("best", s.saver.payload(trainee, progress, rngs, **extra), progress.step)
+    return record
+
+
+def validation_says_stop(
+    s: Session, trainee: Trainee, progress: TrainProgress, rngs: list[dict]
+) -> bool:
+    """Validate (rank 0; the others wait), then whether early stopping ends training."""
+    t = s.cfg.train
+    stop = 0.0
+    if s.world.is_main:
+        validate_and_book(s, trainee, progress, rngs)
+        stop = float(t.patience is not None and progress.bad_validations >= t.patience)
+    trainee.model.train()
+    return distributed.host_sum([stop], s.world)[0] > 0
+
+
+def average_last_saves(
+    s: Session, trainee: Trainee, progress: TrainProgress, rngs: list[dict]
+) -> None:
+    """Rank 0, at the end of a finished run: validate the average of the last
+    `train.average_last` saves like a checkpoint of its own (best.pt when it beats every
+    single one); last.pt keeps the final weights, with the history that now holds it."""
+    saves = s.saver.latest_saves(progress.step, s.cfg.train.average_last)
+    if len(saves) < 2:
+        s.reporter.message(f"train.average_last: only {len(saves)} save(s); nothing to average")
+        return
+    trained = {k: v.clone() for k, v in trainee.model.state_dict().items()}
+    trainee.model.load_state_dict(checkpoint.average(list(saves.values()))["model"])
+    validate_and_book(s, trainee, progress, rngs, averaged=list(saves))
+    trainee.model.load_state_dict(trained)
+    trainee.model.train()
+    s.saver.save("last", s.saver.payload(trainee, progress, rngs), progress.step)
 
 
 def train(
@@ -296,396 +629,197 @@ def train(
     resume: bool = False,
     reporter: Reporter | None = None,
 ) -> Result:
-    """Train `cfg` into `run_dir` (see the module docstring)."""
+    """Train `cfg` into `run_dir`, or resume the run there (see the module docstring)."""
     reporter = reporter or NullReporter()
     t = cfg.train
-    device, _ = preflight(cfg)
-    rank, world = _distributed(device.type == "cuda")
-    is_main = rank == 0
-    ckpt_dir = run_dir / "checkpoints"
-    last_path = check_run_dir(run_dir, resume)
+    run = RunDir(run_dir)
+    world = distributed.world_from_env()
+    device, precision = preflight(cfg)
+    device = distributed.rank_device(device, world)
 
-    # Setup: device, precision, data, model, optimizer.
-    if device.type == "cuda" and world > 1:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)
-    precision = resolve_precision(t.precision, device)
-    configure_host()
-    seed_everything(t.seed)
-    if is_main:
-        prepared = prepare(cfg)
-    if world > 1:
-        dist.barrier()
-    if not is_main:
-        prepared = prepare(cfg)
-    train_split, valid_split = prepared.split("train"), prepared.split("valid")
-    vocab = _vocab(prepared)
-    arch = arch_of(cfg.model)
-    model = build_model(arch, cfg.model, vocab).to(device)
-    n_params = count_parameters(model)
-    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
-    opt_cls = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
-    optimizer = opt_cls(
-        [
-            {"params": decay, "weight_decay": t.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=t.lr,
-        betas=t.betas,
-        eps=t.eps,
-        fused=True,  # one kernel per step instead of ~10 per parameter (CPU and CUDA)
-    )
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    progress = Progress()
-    if resume:
-        payload = checkpoint.load(last_path)
-        model.load_state_dict(payload["model"])
-        optimizer.load_state_dict(payload["optimizer"])
-        if payload.get("scaler"):
-            scaler.load_state_dict(payload["scaler"])
-        progress = Progress(**payload["progress"])
-        set_rng_state(payload["rng"][min(rank, len(payload["rng"]) - 1)])
-        spent = spent_budget(progress, t)
-        if spent:  # nothing to do: report, touch nothing
-            if is_main:
-                reporter.message(nothing_to_train(run_dir, spent))
-            progress.finished = progress.finished or spent
-            return Result(run_dir, progress, spent)
-        progress.finished = ""  # this invocation's budgets decide when the run is complete
-    train_model: torch.nn.Module = model
-    if t.compile:
-        train_model = torch.compile(model)
-    if world > 1:
-        train_model = torch.nn.parallel.DistributedDataParallel(
-            train_model, device_ids=[device.index] if device.type == "cuda" else None
-        )
+    # Refuse what must not start before any work; check again under the lock.
+    run.check_not_written()
+    check_start(run, cfg, resume)
+    prepared = prepare(cfg)  # every rank: the first to ask prepares, the others reuse it
+    with contextlib.ExitStack() as held:
+        if world.is_main:
+            held.enter_context(run.writer())  # the only writer of the run until we return
+        start = check_start(run, cfg, resume)
+        if isinstance(start, str):  # a finished run: report, touch nothing
+            reporter.message(nothing_to_train(run, start))
+            last = checkpoint.load(run.checkpoint("last"))
+            return Result(run.path, TrainProgress.from_dict(last["progress"]), start)
+        if world.is_main:
+            run.attach(cfg, prepared.tokenizer_files)
+            split = prepared.split("train")
+            batches = TokenBatches(split.src_lens, split.tgt_lens, t.batch_tokens, t.seed)
+            reporter.prepared(prepared, batches.padding_fraction())
+        distributed.join(world, device, t.dist_timeout_minutes)
+        held.callback(distributed.leave, world)
+        configure_device(device, t.tf32)
+        held.enter_context(deterministic_algorithms(t.deterministic))
+        return train_loop(cfg, run, prepared, precision, world, start, device, reporter)
+
+
+def train_loop(
+    cfg: Config,
+    run: RunDir,
+    prepared: Prepared,
+    precision: str,
+    world: World,
+    resumed: TrainProgress | None,
+    device: torch.device,
+    reporter: Reporter,
+) -> Result:
+    """The loop of `train`, once the run is checked, prepared, locked and joined."""
+    t = cfg.train
+    v = prepared.summary["vocab"]
+    vocab = Vocab(src_size=v["src"], tgt_size=v["tgt"], shared=v["joint"])
+    trainee = build_trainee(cfg, vocab, device, precision, world)
+    train_split = prepared.split("train")
     batches = TokenBatches(
-        train_split.src_lens, train_split.tgt_lens, t.batch_tokens, t.seed, True, rank, world
+        train_split.src_lens,
+        train_split.tgt_lens,
+        t.batch_tokens,
+        t.seed,
+        True,
+        world.rank,
+        world.size,
     )
+    progress = TrainProgress()
+    if resumed is not None:
+        progress = resume_from(run, trainee, batches, t, reporter)
+    wrap(trainee, t.compile)
     steps_per_epoch = math.ceil(len(batches.epoch(0)) / t.accumulate)
     total_steps = t.max_steps or (t.max_epochs * steps_per_epoch if t.max_epochs else None)
-
-    # Logs: train.log and metrics.jsonl (rank 0 only), TensorBoard when asked and installed.
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if resume and is_main:
-        _truncate_metrics(run_dir / "metrics.jsonl", progress.step)
-    info = {
-        "arch": arch,
-        "params": n_params,
-        "device": str(device),
-        "precision": precision,
-        "world": world,
-        "train_pairs": len(train_split),
-        "valid_pairs": len(valid_split),
-        "steps_per_epoch": steps_per_epoch,
-        "total_steps": total_steps,
-        "max_minutes": t.max_minutes,
-        "resumed_from": progress.step if resume else None,
-        "padding": batches.padding_fraction(progress.epoch),
-    }
-    if is_main:
-        reporter.start(info)
-
-    def write_metrics(record: dict[str, Any]) -> None:
-        if metrics:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-        if tb:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k not in ("step", "epoch"):
-                    tb.add_scalar(f"{record['kind']}/{k}", v, record["step"])
-
-    def save(kind: str, **extra: Any) -> None:
-        if not is_main:
-            return
-        payload = {
-            **extra,
-            "config": cfg.to_dict(),
-            "arch": arch,
-            "vocab": {
-                "src_size": vocab.src_size,
-                "tgt_size": vocab.tgt_size,
-                "shared": vocab.shared,
-            },
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict() if scaler.is_enabled() else {},
-            "progress": progress.__dict__,
-            "rng": rngs,
-            "tokenizer": sorted(f.name for f in (run_dir / "tokenizer").glob("spm*.model")),
-            "prepared": str(prepared.dir),
-            "run_dir": str(run_dir.resolve()),  # the tokenizer's home if the file is moved
-        }
-        if kind == "best":
-            checkpoint.save(payload, ckpt_dir / "best.pt")
-            return
-        checkpoint.save(payload, last_path)
-        if kind == "step" and t.keep_last > 0:
-            checkpoint.save(payload, ckpt_dir / f"step-{progress.step}.pt")
-            for old in checkpoint.step_checkpoints(run_dir)[: -t.keep_last]:
-                old.unlink()
-
-    def gather_rngs() -> list[dict[str, Any]]:
-        if world == 1:
-            return [rng_state()]
-        states: list[Any] = [None] * world
-        dist.all_gather_object(states, rng_state())
-        return states
-
-    def validation_record(**extra: Any) -> dict[str, Any]:
-        """Validate the model's current weights, log the record, keep it in the history, and
-        save best.pt when it is the best so far."""
-        record = validate(model, prepared, valid_split, cfg, device, precision)
-        record.update({"kind": "valid", "step": progress.step, "epoch": progress.epoch})
-        record.update({"minutes": progress.seconds / 60, "tokens": progress.tokens, **extra})
-        metric = t.early_stop_metric if t.valid_bleu or t.early_stop_metric == "loss" else "loss"
-        record["best"] = better(metric, record[metric], progress.best_value)
-        if record["best"]:
-            progress.best_value, progress.best_step = record[metric], progress.step
-        progress.history.append(record)
-        write_metrics(record)
-        reporter.validation(record)
-        if file_log:
-            file_log.info("validation: %s", json.dumps(record))
-        if record["best"]:
-            save("best", **extra)
-        return record
-
-    def run_validation() -> bool:
-        """Validate, keep the best checkpoint; True when early stopping says stop."""
-        stop = 0.0
-        if is_main:
-            improved = validation_record()["best"]
-            progress.bad_validations = 0 if improved else progress.bad_validations + 1
-            if t.schedule == "plateau":
-                if improved:
-                    progress.plateau_bad = 0
-                else:
-                    progress.plateau_bad += 1
-                    if progress.plateau_bad > t.plateau_patience:
-                        progress.plateau_scale *= t.plateau_factor
-                        progress.plateau_bad = 0
-            if t.patience is not None and progress.bad_validations >= t.patience:
-                stop = 1.0
-        model.train()
-        return _all_sum(stop, world, device) > 0
-
-    def average_last_saves() -> None:
-        """Validate the average of the last `train.average_last` saves like a checkpoint of
-        its own (best.pt when it beats every single one); last.pt keeps the final weights."""
-        saves = {int(p.stem.split("-")[1]): p for p in checkpoint.step_checkpoints(run_dir)}
-        saves[progress.step] = last_path
-        steps = sorted(saves)[-t.average_last :]
-        if len(steps) < 2:
-            reporter.message(f"train.average_last: only {len(steps)} save(s); nothing to average")
-            return
-        trained = {k: v.clone() for k, v in model.state_dict().items()}
-        model.load_state_dict(checkpoint.average([saves[s] for s in steps])["model"])
-        validation_record(averaged=steps)
-        model.load_state_dict(trained)
-        save("last")  # the final weights again, with the history that now holds the average
-
-    # The loop.
-    rngs: list[dict[str, Any]] = []
+    read_every = 1 if device.type == "cpu" else t.log_every  # host reads: free on CPU only
+    meter, window, first_step, bad_run = StepMeter(device), LogWindow(), progress.step, 0
     start_time = time.perf_counter() - progress.seconds
     stop_reason = ""
-    nonfinite = 0
-    model.train()
-    log_tokens, log_loss, log_time = 0, 0.0, time.perf_counter()
-    with contextlib.ExitStack() as closing, _Signals() as signals:  # closes logs, also on errors
-        file_log = _file_logger(run_dir, closing) if is_main else None
-        metrics = closing.enter_context(open(run_dir / "metrics.jsonl", "a")) if is_main else None
-        tb = _tensorboard(run_dir) if (is_main and t.tensorboard) else None
-        if tb:
-            closing.callback(tb.close)
-        if file_log:
-            file_log.info("resolved config:\n%s", cfg.to_yaml())
-            file_log.info("start: %s", json.dumps(info))
-            file_log.info("data: %s", json.dumps(prepared.summary))
+    trainee.model.train()
+
+    with contextlib.ExitStack() as closing, Signals() as signals:
+        runlog = None
+        if world.is_main:
+            runlog = closing.enter_context(
+                RunLog(run, progress.step if resumed else None, t.tensorboard)
+            )
+            info = start_info(cfg, trainee, prepared, batches, progress, total_steps, resumed)
+            reporter.start(info)
+            runlog.info("resolved config:\n%s", cfg.to_yaml())
+            runlog.info("start: %s", json.dumps(info))
+            runlog.info("data: %s", json.dumps(prepared.summary))
+        s = Session(
+            cfg,
+            run,
+            prepared,
+            prepared.split("valid"),
+            device,
+            world,
+            Checkpointer(run, cfg, vocab, prepared),
+            reporter,
+            runlog,
+        )
         while not stop_reason:
-            epoch_batches = batches.epoch(progress.epoch, start=progress.batch_in_epoch)
-            if not epoch_batches:  # a checkpoint saved at the very end of an epoch
+            epoch_steps = batches.steps(progress.epoch, t.accumulate, progress.batch_in_epoch)
+            if not epoch_steps:  # a checkpoint saved at the very end of an epoch
                 progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
                 stop_reason = progress.finished = spent_budget(progress, t)
                 continue
-            for g in range(0, len(epoch_batches), t.accumulate):
-                group = [train_split.collate(i) for i in epoch_batches[g : g + t.accumulate]]
-                step_start = time.perf_counter()
+            feed = device_steps(train_split, epoch_steps, device)
+            for k, (group, step_tokens) in enumerate(feed):
                 # Schedule: the LR is a pure function of the step.
+                step_start = time.perf_counter()
                 lr = lr_at(progress.step + 1, t, total_steps) * progress.plateau_scale
-                for param_group in optimizer.param_groups:
+                for param_group in trainee.optimizer.param_groups:
                     param_group["lr"] = lr
-                # Accumulate: normalise by all target tokens of the step, on every rank.
-                step_tokens = _all_sum(sum(b.tgt_tokens for b in group), world, device)
-                loss_sum = _accumulate(
-                    train_model, group, step_tokens, world, device, precision, scaler, t
-                )
-                loss_sum = _all_sum(loss_sum, world, device)  # every rank sees the global loss
-                # Clip and step (fp16: the scaler skips steps with inf/nan gradients).
-                scaler.unscale_(optimizer)
-                grad_norm = float(
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_norm or float("inf"))
-                )
-                # fp16: overflowing gradients are the scaler's business (it skips the step and
-                # halves its scale) as long as there is scale left to lower; at a scale <= 1
-                # they count towards train.max_nonfinite like a non-finite loss.
-                scale_before = scaler.get_scale() if scaler.is_enabled() else 1.0
-                finite = math.isfinite(loss_sum) and (
-                    math.isfinite(grad_norm) or scale_before > 1.0
-                )
-                if scaler.is_enabled():
-                    scaler.step(optimizer)
-                    scaler.update()
-                    if scaler.get_scale() < scale_before:
-                        progress.skipped_steps += 1
-                elif finite:
-                    optimizer.step()
-                else:
-                    progress.skipped_steps += 1
-                optimizer.zero_grad(set_to_none=True)
-                nonfinite = 0 if finite else nonfinite + 1
+                # Step: accumulate, clip, update (a non-finite step leaves the weights alone).
+                meter.add(train_step(trainee, group, step_tokens, t))
+                window.step_seconds += time.perf_counter() - step_start
                 progress.step += 1
                 progress.batch_in_epoch += len(group)
-                progress.tokens += int(step_tokens)
+                progress.tokens += step_tokens
                 progress.seconds = time.perf_counter() - start_time
                 progress.train_seconds += time.perf_counter() - step_start
-                # Log.
-                log_tokens += int(step_tokens)
-                log_loss += loss_sum
-                if progress.step % t.log_every == 0 and is_main:
-                    now = time.perf_counter()
-                    record = {
-                        "kind": "train",
-                        "step": progress.step,
-                        "epoch": progress.epoch,
-                        "loss": log_loss / max(log_tokens, 1),
-                        "lr": lr,
-                        "grad_norm": grad_norm,
-                        "tokens_per_s": log_tokens / max(now - log_time, 1e-9),
-                        "minutes": progress.seconds / 60,
-                        "skipped": progress.skipped_steps,
-                    }
-                    write_metrics(record)
-                    reporter.log(record)
-                    log_tokens, log_loss, log_time = 0, 0.0, now
-                if g + t.accumulate >= len(epoch_batches):  # the epoch's last step
+                window.tokens += step_tokens
+                # Measure: read the device's sums when due, log.
+                logging_now = progress.step % t.log_every == 0
+                read = logging_now or progress.step % read_every == 0
+                if read:
+                    bad_run = measure(meter, window, progress)
+                    if logging_now and world.is_main:
+                        record = window.record(progress, lr, meter.grad_norm)
+                        runlog.record(record)
+                        reporter.log(record)
+                if k == len(epoch_steps) - 1:  # the epoch's last step
                     progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
-                # Stop conditions, agreed by every rank. One sum carries both flags: a signal
-                # counts 1 per rank, running out of time world + 1 per rank.
-                over_time = t.max_minutes is not None and progress.seconds >= t.max_minutes * 60
-                flags = _all_sum(
-                    float(signals.received is not None) + (world + 1.0) * float(over_time),
-                    world,
-                    device,
-                )
-                if nonfinite >= t.max_nonfinite:
-                    stop_reason = (
-                        f"stopped: the loss was not finite for {nonfinite} consecutive steps; "
-                        "lower train.lr or use train.precision=fp32 (last.pt holds the last good weights)"
-                    )
-                elif t.max_steps is not None and progress.step >= t.max_steps:
-                    stop_reason = f"reached train.max_steps={t.max_steps}"
-                elif t.max_epochs is not None and progress.epoch >= t.max_epochs:
-                    stop_reason = f"reached train.max_epochs={t.max_epochs}"
-                elif flags >= world + 1:
-                    stop_reason = f"reached train.max_minutes={t.max_minutes}"
-                elif flags >= 1:
-                    stop_reason = f"interrupted ({signals.received or 'signal on another rank'})"
+                # Decide: non-finite losses, budgets and signals, agreed by every rank.
+                stop_reason = decide(progress, t, signals, world)
+                due = bool(stop_reason) or progress.step % t.valid_every == 0
+                save_due = bool(stop_reason) or progress.step % t.save_every == 0
+                if (due or save_due) and not read:  # checkpoints hold exact counts
+                    bad_run = measure(meter, window, progress)
+                if bad_run >= t.max_nonfinite:
+                    stop_reason, due, save_due = non_finite_stop(bad_run), True, True
                 # Validate and checkpoint (RNG states as of the end of this step).
-                validating = bool(stop_reason) or progress.step % t.valid_every == 0
-                saving = bool(stop_reason) or progress.step % t.save_every == 0
-                if validating or saving:
-                    rngs = gather_rngs()
-                if validating and run_validation() and not stop_reason:
+                rngs = []
+                if due or save_due:
+                    rngs = distributed.gather(distributed.rng_state(device), world)
+                if due and validation_says_stop(s, trainee, progress, rngs) and not stop_reason:
                     stop_reason = f"early stopping: no improvement in {t.patience} validations"
-                    saving = True
+                    save_due = True
                 if stop_reason.startswith(("reached", "early stopping")):
                     progress.finished = stop_reason
-                if saving:
-                    save("last" if stop_reason else "step")
-                if progress.finished and t.average_last > 1 and is_main:
-                    average_last_saves()
+                if save_due and world.is_main:
+                    kind = "last" if stop_reason else "step"
+                    s.saver.save(kind, s.saver.payload(trainee, progress, rngs), progress.step)
+                if progress.finished and t.average_last > 1 and world.is_main:
+                    average_last_saves(s, trainee, progress, rngs)
                 if stop_reason:
                     break
-                if validating or saving:  # keep tokens/s about training only
-                    log_tokens, log_loss, log_time = 0, 0.0, time.perf_counter()
-        if file_log:
-            file_log.info("end: %s at step %d", stop_reason, progress.step)
-    if world > 1:
-        dist.barrier()
-    return Result(run_dir, progress, stop_reason)
+                if due or save_due:  # keep tokens/s about training only
+                    window.reset()
+        if runlog is not None:
+            runlog.info("end: %s at step %d", stop_reason, progress.step)
+    return Result(run.path, progress, stop_reason, progress.step - first_step)
 
 
-def _accumulate(
-    model, group: list[Batch], step_tokens: float, world: int, device, precision, scaler, t
-) -> float:
-    """Forward/backward over the micro-batches of one step; returns the summed loss."""
-    total = 0.0
-    for i, batch in enumerate(group):
-        batch = batch.to(device)
-        last = i == len(group) - 1
-        sync = contextlib.nullcontext() if (last or world == 1) else model.no_sync()
-        with sync:
-            with autocast(device, precision):
-                logits = model(batch.src, batch.src_mask, batch.tgt_in)
-            loss = label_smoothed_loss(logits, batch.tgt_out, t.label_smoothing)
-            # DDP averages gradients over ranks: multiply by world to get a sum over all tokens.
-            scaler.scale(loss * (world / step_tokens)).backward()
-        total += float(loss.detach())
-    return total
+def measure(meter: StepMeter, window: LogWindow, progress: TrainProgress) -> int:
+    """Read the meter into the log window and the progress; the consecutive bad steps."""
+    loss_sum, skipped, bad_run = meter.read()
+    window.loss += loss_sum
+    progress.skipped_steps += skipped
+    return bad_run
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a run's metrics.jsonl. A last line cut short (the run was killed while
-    writing it) is left out; any other line that is not a JSON record is an error."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    records = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break
-            raise NMTError(
-                f"{path}, line {i + 1}, is not a JSON record; repair that line or delete the file "
-                "(the checkpoints keep the validation history)"
-            ) from None
-    return records
+def non_finite_stop(bad_run: int) -> str:
+    return (
+        f"stopped: the loss was not finite for {bad_run} consecutive steps; lower train.lr or "
+        "use train.precision=fp32 (last.pt holds the last good weights)"
+    )
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop records logged after the checkpoint a resumed run restarts from (a killed run may
-    have logged steps it will now repeat, or half a line)."""
-    if not path.is_file():
-        return
-    keep = [r for r in read_metrics(path) if r["step"] <= step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
-
-
-def _file_logger(run_dir: Path, closing: contextlib.ExitStack) -> logging.Logger:
-    """The run's train.log; its file is closed (and the handler removed) by `closing`."""
-    logger = logging.getLogger(f"nmt.run.{run_dir.resolve()}")
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    handler = logging.FileHandler(run_dir / "train.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-    logger.addHandler(handler)
-
-    def close() -> None:
-        logger.removeHandler(handler)
-        handler.close()
-
-    closing.callback(close)
-    return logger
-
-
-def _tensorboard(run_dir: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        log.warning("train.tensorboard is on but tensorboard is not installed; skipping it")
-        return None
-    return SummaryWriter(str(run_dir / "tensorboard"))
+def start_info(
+    cfg: Config,
+    trainee: Trainee,
+    prepared: Prepared,
+    batches: TokenBatches,
+    progress: TrainProgress,
+    total_steps: int | None,
+    resumed: TrainProgress | None,
+) -> dict[str, Any]:
+    """What the reporter and train.log say when training starts."""
+    return {
+        "arch": arch_of(cfg.model),
+        "params": count_parameters(trainee.model),
+        "device": str(trainee.device),
+        "precision": trainee.precision,
+        "world": trainee.world.size,
+        "train_pairs": prepared.summary["splits"]["train"]["pairs"],
+        "valid_pairs": prepared.summary["splits"]["valid"]["pairs"],
+        "steps_per_epoch": math.ceil(len(batches.epoch(0)) / cfg.train.accumulate),
+        "total_steps": total_steps,
+        "max_minutes": cfg.train.max_minutes,
+        "resumed_from": progress.step if resumed is not None else None,
+        "padding": batches.padding_fraction(progress.epoch),
+    }

@@ -32,7 +32,7 @@ def default_precisions() -> list[str]:
     """fp32, plus bf16 where the CPU runs it natively (AVX512-BF16/AMX). Without those units
     bf16 matmuls are emulated (measured 1.7 vs 79 GFLOP/s fp32 on an AVX2-only EPYC), so the
     default skips them; pass --precisions bf16 to time them anyway."""
-    from nmt.device import cpu_has_bf16
+    from nmt.cpu import cpu_has_bf16
 
     if cpu_has_bf16():
         return list(PRECISIONS)
@@ -61,7 +61,7 @@ def default_env() -> None:
 
 
 def machine_info() -> dict[str, Any]:
-    from nmt.device import cpu_has_bf16
+    from nmt.cpu import cpu_has_bf16
 
     info: dict[str, Any] = {
         "python": platform.python_version(),
@@ -189,36 +189,23 @@ def vocab_of(prepared):
 
 def make_optimizer(model: torch.nn.Module, t) -> torch.optim.Optimizer:
     """The optimizer `nmt.train.train` builds (same parameter groups and hyper-parameters)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() > 1]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() <= 1]
-    opt_cls = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
-    return opt_cls(
-        [
-            {"params": decay, "weight_decay": t.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=t.lr,
-        betas=t.betas,
-        eps=t.eps,
-        fused=True,
-    )
+    from nmt.train import make_optimizer as nmt_optimizer
+
+    return nmt_optimizer(model, t)
 
 
 def nmt_train_step(model, optimizer, t, precision: str) -> Callable[[Any], float]:
-    """One optimizer step of `nmt.train.train` on one batch: `_accumulate` (forward under
-    autocast, label-smoothed loss, backward), gradient clipping, Adam step, zero_grad."""
-    from nmt.train import _accumulate
+    """One optimizer step of `nmt.train.train` on one batch: `nmt.train.train_step` (forward
+    under autocast, label-smoothed loss, backward, gradient clipping, Adam step, zero_grad),
+    reading its loss on the host as the trainer does on CPU."""
+    from nmt.distributed import World
+    from nmt.train import Trainee, train_step
 
-    device = torch.device("cpu")
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    params = [p for p in model.parameters() if p.requires_grad]
+    trainee = Trainee(model, model, optimizer, scaler, precision, World())
 
     def step(batch) -> float:
-        loss = _accumulate(model, [batch], float(batch.tgt_tokens), 1, device, precision, scaler, t)
-        torch.nn.utils.clip_grad_norm_(params, t.clip_norm or float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
+        return float(train_step(trainee, [batch], float(batch.tgt_tokens), t).loss)
 
     return step
 

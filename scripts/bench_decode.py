@@ -10,7 +10,7 @@ What is measured
   * Sources: the prepared test_2016_flickr split (--split), token ids + EOS, sorted by length
     (stable) and cut into batches of --batch-size sentences (default 64), built once before
     timing; every system decodes the same batches.
-  * nmt: `nmt.evaluate.decode_batches` (what `nmt translate` runs on its batches) with the
+  * nmt: `nmt.translate.decode_batches` (what `nmt translate` runs on its batches) with the
     run's (or recipe's) decode settings, beam --beam (default 5) or greedy, under autocast.
     It decodes --workers batches at once (default 0 = auto, as `nmt translate`: 2 workers of
     1 intra-op thread each on 2 threads), in inference mode, on the model's weights packed
@@ -161,8 +161,8 @@ def load_subjects(args) -> list[Subject]:
     only the tokenizers and sources: it builds no model and does not call `load_model`,
     which applies nmt's process settings (`configure_host`)."""
     from nmt.data.prepare import prepare
-    from nmt.evaluate import load_model, read_run
     from nmt.models.registry import build_model
+    from nmt.translate import load_model, read_run
 
     subjects = []
     if args.run:
@@ -215,18 +215,14 @@ def make_batches(
     sources: list[list[int]], batch_size: int
 ) -> list[tuple[np.ndarray, torch.Tensor]]:
     """Length-sorted batches of `batch_size` sentences: (indices, src ids + EOS, right-padded)."""
-    from nmt.special import EOS_ID, PAD_ID
+    from nmt.translate import source_batch
 
     lengths = np.array([len(s) + 1 for s in sources])
     order = np.argsort(lengths, kind="stable")
     batches = []
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        src = torch.full((len(idx), int(lengths[idx].max())), PAD_ID, dtype=torch.long)
-        for row, i in enumerate(idx):
-            src[row, : len(sources[i])] = torch.as_tensor(sources[i], dtype=torch.long)
-            src[row, len(sources[i])] = EOS_ID
-        batches.append((idx, src))
+        batches.append((idx, source_batch([sources[i] for i in idx])))
     return batches
 
 
@@ -244,7 +240,7 @@ def timed_passes(decode_pass, batches: list, args, workers: int) -> tuple[list[f
 
 def in_workers(decode_batch, workers: int):
     """A pass function decoding `workers` batches at once, as nmt's decode_batches does."""
-    from nmt.evaluate import map_in_workers
+    from nmt.translate import map_in_workers
 
     return lambda batches: map_in_workers(decode_batch, batches, workers)
 
@@ -286,8 +282,8 @@ def row_of(
 
 
 def bench_nmt(subject: Subject, mode: str, precision: str, args) -> dict:
-    from nmt.evaluate import decode_batches, decode_workers, search_options
-    from nmt.models.layers import packed_weights
+    from nmt.models.base import fixed_weights
+    from nmt.translate import decode_batches, decode_workers, search_options
 
     opts = search_options(
         subject.cfg.decode,
@@ -303,7 +299,7 @@ def bench_nmt(subject: Subject, mode: str, precision: str, args) -> dict:
         return decode_batches(model, [src for _, src in bs], opts, device, precision, args.workers)
 
     workers = decode_workers(args.workers, device, len(batches))
-    with packed_weights(model):
+    with fixed_weights(model):
         times, outputs = timed_passes(decode_pass, batches, args, workers)
     lengths = [len(h[0].tokens) if h else 0 for out in outputs for h in out]
     steps = args.fixed_len + 1 if args.fixed_len else None

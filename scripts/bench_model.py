@@ -2,7 +2,7 @@
 optimizer step, fp32 and bf16 autocast on CPU, on real Multi30k training batches.
 
 What is measured
-  * One training step exactly as `nmt.train.train` runs it: `nmt.train._accumulate` (forward
+  * One training step exactly as `nmt.train.train` runs it: `nmt.train.train_step` (forward
     under autocast, label-smoothed loss, backward), gradient clipping, Adam step, zero_grad.
   * Models at the sizes of recipes/multi30k/{seq2seq,rnn_attention,transformer}.yaml, freshly
     initialised with the same seed for every precision.
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     from nmt.models.registry import build_model
 
     use_hf = args.hf == "on" or (args.hf == "auto" and bu.hf_available())
-    from nmt.device import cpu_has_bf16
+    from nmt.cpu import cpu_has_bf16
 
     # Emulated bf16 (no AVX512-BF16/AMX) runs ~1 GFLOP/s: a 2048^2 product would take ~20 s,
     # so without native units the bf16 peak is taken on at most 1024^2, 3 times.

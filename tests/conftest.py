@@ -10,7 +10,8 @@ import pytest
 
 import nmt.config
 from nmt.config import Config
-from nmt.data.prepare import attach, prepare
+from nmt.data.prepare import prepare
+from nmt.run import attach
 from nmt.train import train
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ from nmt.config import (
     from_dict,
     load,
 )
-from nmt.models.registry import ARCHITECTURES
+from nmt.models.configs import CONFIGS
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
@@ -59,7 +59,7 @@ def test_empty_recipe_gives_defaults_with_a_training_budget():
     assert cfg == Config()
     assert cfg.data == DataConfig()
     assert cfg.tokenizer == TokenizerConfig()
-    assert type(cfg.model) is ARCHITECTURES["transformer"].config
+    assert type(cfg.model) is CONFIGS["transformer"]
     assert cfg.train.max_steps == 1000  # a budget is always present
     assert from_dict({"train": {"max_epochs": 2}}).train.max_steps is None
 
@@ -80,7 +80,7 @@ def test_config_error_is_an_nmt_error_and_config_is_frozen():
 def test_unknown_key_in_every_section_names_the_key_and_the_valid_keys(section):
     message = error_of({section: {"no_such_key": 1}})
     assert f"unknown key {section}.no_such_key" in message
-    cls = SECTION_CLASSES.get(section, ARCHITECTURES["transformer"].config)
+    cls = SECTION_CLASSES.get(section, CONFIGS["transformer"])
     for field in dataclasses.fields(cls):
         assert field.name in message
 
@@ -168,7 +168,7 @@ def test_model_literal_choices_are_listed():
 def test_unknown_architecture_lists_the_registered_ones(arch):
     message = error_of({"model": {"arch": arch}})
     assert "model.arch" in message
-    for name in ARCHITECTURES:
+    for name in CONFIGS:
         assert name in message
 
 
@@ -300,7 +300,7 @@ def test_switching_architecture_by_override_checks_the_new_model_keys(recipe, tm
         tmp_path / "rnn.yaml", {"model": {"arch": "seq2seq", "emb_dim": 64, "enc_layers": 2}}
     )
     cfg = load(rnn, ["model.arch=rnn_attention"])
-    assert type(cfg.model) is ARCHITECTURES["rnn_attention"].config
+    assert type(cfg.model) is CONFIGS["rnn_attention"]
     assert (cfg.model.emb_dim, cfg.model.enc_layers) == (64, 2)  # shared keys carried over
 
 
@@ -344,7 +344,7 @@ def test_shipped_recipes_load_with_the_declared_architecture(path):
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     cfg = load(path)
     arch = raw["model"]["arch"]
-    assert type(cfg.model) is ARCHITECTURES[arch].config
+    assert type(cfg.model) is CONFIGS[arch]
     assert config.arch_of(cfg.model) == arch
     for key, value in raw["model"].items():
         if key != "arch":
@@ -354,11 +354,11 @@ def test_shipped_recipes_load_with_the_declared_architecture(path):
 # -- architecture selection ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_model_arch_picks_the_model_dataclass(arch):
     cfg = from_dict({"model": {"arch": arch}})
-    assert type(cfg.model) is ARCHITECTURES[arch].config
-    assert cfg.model == ARCHITECTURES[arch].config()
+    assert type(cfg.model) is CONFIGS[arch]
+    assert cfg.model == CONFIGS[arch]()
     assert config.arch_of(cfg.model) == arch
     assert cfg.to_dict()["model"]["arch"] == arch
 

@@ -26,9 +26,10 @@ import torch
 from nmt import NMTError
 from nmt.config import Config, from_dict
 from nmt.data.batching import EncodedSplit, TokenBatches
-from nmt.data.prepare import Prepared, attach, prepare, prepared_dir, split_names
+from nmt.data.prepare import Prepared, prepare, prepared_dir, split_names
 from nmt.data.sources import MULTI30K, corpus_file, load_split
 from nmt.data.tokenizer import JOINT, SRC, TGT
+from nmt.run import attach
 from nmt.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,21 +15,19 @@ from nmt.models.base import (
     Vocab,
     count_parameters,
     extend_cache,
+    fixed_weights,
     reorder_state,
 )
+from nmt.models.configs import CONFIGS, RNNAttentionConfig, Seq2SeqConfig, TransformerConfig
 from nmt.models.layers import (
     Dropout,
     Linear,
     Positions,
     packed_dtype,
-    packed_weights,
     sinusoidal,
     softmax,
 )
-from nmt.models.registry import ARCHITECTURES, build_model
-from nmt.models.rnn_attention import RNNAttentionConfig
-from nmt.models.seq2seq import Seq2SeqConfig
-from nmt.models.transformer import TransformerConfig
+from nmt.models.registry import build_model
 from nmt.special import BOS_ID, PAD_ID
 
 V = 37
@@ -85,7 +83,7 @@ ATTENTION_ARCHS = {"rnn_attention", "transformer"}
 
 
 def test_every_architecture_has_a_variant():
-    assert set(ARCHITECTURES) == {arch for arch, _ in VARIANTS.values()}
+    assert set(CONFIGS) == {arch for arch, _ in VARIANTS.values()}
 
 
 def make(name: str, vocab: Vocab = VOCAB) -> torch.nn.Module:
@@ -411,8 +409,8 @@ def test_cpu_dropout_rate_next_to_one_keeps_a_finite_scale():
     assert torch.isfinite(y).all() and set(y.unique().tolist()) <= {0.0, 65536.0}
 
 
-def test_decoding_on_packed_weights_equals_the_autograd_path(variant):
-    """Inside packed_weights (decoding), CPU linear maps run on packed weights; decoding
+def test_decoding_on_fixed_weights_equals_the_autograd_path(variant):
+    """Inside fixed_weights (decoding), CPU linear maps run on packed weights; decoding
     steps and teacher forcing give the same logits as F.linear with autograd."""
     model = make(variant)
     src, mask, tgt = batch([5, 3, 7], [6, 6, 6])
@@ -422,21 +420,21 @@ def test_decoding_on_packed_weights_equals_the_autograd_path(variant):
     for t in range(tgt.size(1)):
         out, state = model.step(tgt[:, t], state)
         steps.append(out.logits.detach())
-    with torch.no_grad(), packed_weights(model):
+    with torch.no_grad(), fixed_weights(model):
         torch.testing.assert_close(model(src, mask, tgt), full, atol=1e-5, rtol=1e-5)
         state = model.init_state(model.encode(src, mask))
         for t in range(tgt.size(1)):
             out, state = model.step(tgt[:, t], state)
             torch.testing.assert_close(out.logits, steps[t], atol=1e-5, rtol=1e-5)
         if packed_dtype(src.float()) is not None:  # None: a torch without oneDNN
-            assert all(m._packed for m in model.modules() if isinstance(m, Linear))
-    assert all(m._packed is None for m in model.modules() if isinstance(m, Linear))
+            assert all(m.weight_cache for m in model.modules() if isinstance(m, Linear))
+    assert all(m.weight_cache is None for m in model.modules() if isinstance(m, Linear))
     assert model.state_dict().keys() == make(variant).state_dict().keys()
     copy.deepcopy(model)  # nothing opaque is left behind after decoding
     torch.save(model, io.BytesIO())
 
 
-def test_packed_weights_scopes_from_several_threads():
+def test_fixed_weights_scopes_from_several_threads():
     """Decoding workers open and close scopes on one model at once (nmt.evaluate
     decode_batches); every map ends outside any scope, its packed copies dropped."""
     import threading
@@ -449,7 +447,7 @@ def test_packed_weights_scopes_from_several_threads():
 
     def work(results: list) -> None:
         for _ in range(30):
-            with torch.inference_mode(), packed_weights(model):
+            with torch.inference_mode(), fixed_weights(model):
                 results.append(torch.allclose(model(src, src != PAD_ID, src), expected, atol=1e-5))
 
     results: list = []
@@ -460,10 +458,10 @@ def test_packed_weights_scopes_from_several_threads():
         t.join()
     assert results == [True] * 120
     layers = [m for m in model.modules() if isinstance(m, Linear)]
-    assert all(m._packing == 0 and m._packed is None for m in layers)
+    assert all(m.weight_cache is None for m in layers)
 
 
-def test_packed_weights_last_for_their_scope_only():
+def test_fixed_weights_last_for_their_scope_only():
     torch.manual_seed(0)
     layer = Linear(16, 24)
     x = torch.randn(3, 5, 16)
@@ -476,13 +474,13 @@ def test_packed_weights_last_for_their_scope_only():
             assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
 
     for _ in range(2):
-        with torch.no_grad(), packed_weights(layer):
+        with torch.no_grad(), fixed_weights(layer):
             check()
-            with packed_weights(layer):  # nested scopes keep the outer scope's copies
+            with fixed_weights(layer):  # nested scopes keep the outer scope's copies
                 check()
             if packed_dtype(x) is not None:
-                assert set(layer._packed) >= {torch.float32}
-        assert layer._packed is None
+                assert set(layer.weight_cache) >= {torch.float32}
+        assert layer.weight_cache is None
         # A fused optimizer step moves no version counter: only the scope guards the copies.
         layer(x).square().sum().backward()
         optimizer.step()

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from nmt import NMTError, config
-from nmt.data.prepare import attach, prepare
+from nmt.data.prepare import prepare
 from nmt.device import autocast, cpu_has_bf16, resolve_precision
-from nmt.evaluate import load_model, search_options, translate_lines
+from nmt.run import attach
 from nmt.train import train
+from nmt.translate import load_model, search_options, translate_lines
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

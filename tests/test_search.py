@@ -19,7 +19,6 @@ from conftest import tiny_run
 
 from nmt.config import DecodeConfig
 from nmt.data.prepare import prepare
-from nmt.evaluate import decode_ids, decode_workers, load_model, search_options
 from nmt.models.base import StepOutput
 from nmt.models.layers import PackedInference
 from nmt.search import (
@@ -34,6 +33,7 @@ from nmt.search import (
     topk_candidates,
 )
 from nmt.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from nmt.translate import decode_ids, decode_workers, load_model, search_options
 
 REPO = Path(__file__).resolve().parents[1]
 ARCHS = ("seq2seq", "rnn_attention", "transformer")
@@ -432,7 +432,7 @@ def test_parallel_workers_decode_as_one(trained, beam):
     assert [[h.tokens for h in n] for n in two] == [[h.tokens for h in n] for n in one]
     assert [[h.logprob for h in n] for n in two] == [[h.logprob for h in n] for n in one]
     assert torch.get_num_threads() == 1
-    assert all(m._packed is None for m in model.modules() if isinstance(m, PackedInference))
+    assert all(m.weight_cache is None for m in model.modules() if isinstance(m, PackedInference))
 
 
 def test_parallel_workers_split_the_threads(transformer):
@@ -488,7 +488,7 @@ def test_a_failing_batch_ends_parallel_decoding_with_its_error(transformer):
             model, transformer.sources[:60], SearchOptions(beam=2), 60, CPU, "fp32", workers=2
         )
     assert torch.get_num_threads() == 1
-    assert all(m._packed is None for m in model.modules() if isinstance(m, PackedInference))
+    assert all(m.weight_cache is None for m in model.modules() if isinstance(m, PackedInference))
 
 
 class StepsUntil(torch.nn.Module):

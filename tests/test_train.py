@@ -16,19 +16,13 @@ import torch
 
 from nmt import NMTError, checkpoint, config
 from nmt.data.batching import TokenBatches
-from nmt.data.prepare import attach, prepare
+from nmt.data.prepare import prepare
+from nmt.distributed import World
 from nmt.models.base import Vocab
+from nmt.models.configs import TransformerConfig
 from nmt.models.registry import build_model
-from nmt.models.transformer import TransformerConfig
-from nmt.train import (
-    _accumulate,
-    _truncate_metrics,
-    _validation_loss,
-    label_smoothed_loss,
-    lr_at,
-    read_metrics,
-    train,
-)
+from nmt.run import RunDir, RunLog, attach, read_metrics
+from nmt.train import accumulate, label_smoothed_loss, lr_at, train, validation_loss
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny"
@@ -134,7 +128,7 @@ def test_accumulating_half_batches_equals_one_full_batch():
         model.zero_grad(set_to_none=True)
         tokens = sum(b.tgt_tokens for b in group)
         assert tokens == full[0].tgt_tokens
-        _accumulate(model, group, tokens, 1, torch.device("cpu"), "fp32", scaler, t)
+        accumulate(model, group, tokens, World(), "fp32", scaler, t)
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
@@ -266,7 +260,7 @@ def test_average_of_the_last_saves_is_validated_and_kept_only_when_better(
         "transformer", cfg.model, Vocab(**checkpoint.load(ckpts / "last.pt")["vocab"])
     )
     model.load_state_dict(mean)
-    loss = _validation_loss(model, prepared.split("valid"), cfg, torch.device("cpu"), "fp32")
+    loss = validation_loss(model, prepared.split("valid"), cfg, torch.device("cpu"), "fp32")
     assert record["loss"] == pytest.approx(loss["loss"], rel=1e-6)
     # Kept as best.pt exactly when it beats every single checkpoint's validation.
     assert record["best"] is kept
@@ -371,11 +365,11 @@ def test_a_half_written_metrics_line_is_dropped_on_resume(tmp_path):
     path = tmp_path / "metrics.jsonl"
     records = [{"kind": "train", "step": s, "loss": 1.0 / s} for s in (5, 10, 15)]
     path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"kind": "train", "st')
-    _truncate_metrics(path, 10)  # killed while writing: a resumed run used to crash here
+    RunLog(RunDir(tmp_path), 10, False).close()  # killed while writing: resuming used to crash
     assert read_metrics(path) == records[:2]
     path.write_text('{"kind": "train", "step": 5}\nnot json\n{"kind": "train", "step": 10}\n')
     with pytest.raises(NMTError, match="line 2, is not a JSON record"):
-        _truncate_metrics(path, 10)
+        RunLog(RunDir(tmp_path), 10, False)
 
 
 def test_non_finite_losses_stop_training_with_a_usable_checkpoint(tmp_path, monkeypatch):

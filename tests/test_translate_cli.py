@@ -24,7 +24,7 @@ import torch
 from conftest import tiny_run
 
 from nmt.data.prepare import prepare
-from nmt.evaluate import load_model, search_options, translate_lines
+from nmt.translate import load_model, search_options, translate_lines
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

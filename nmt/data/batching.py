@@ -1,5 +1,6 @@
 """Token-budget batching: bucketed by length, deterministic per (seed, epoch), resumable,
-shardable across distributed ranks.
+shardable across distributed ranks. Imports `datasets` only to load a prepared split: decoding
+packs its batches with `pack` without it.
 
 An example costs `max(src_len + 1, tgt_len + 1)` positions (EOS on the source; BOS/EOS
 shifted on the target); a batch costs `size * max cost`, padding included, and never exceeds
@@ -10,15 +11,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
-import pyarrow as pa
 import torch
 from torch import Tensor
 
 from nmt import NMTError
 from nmt.special import BOS_ID, EOS_ID, PAD_ID
+
+if TYPE_CHECKING:
+    import datasets
+    import pyarrow as pa
 
 
 @dataclass
@@ -29,8 +33,11 @@ class Batch:
     tgt_out: Tensor  # [B,T] ids + EOS (PAD where tgt_in is padding)
     indices: np.ndarray  # [B] example indices in the split
     tgt_tokens: int  # real target tokens (loss positions)
+    src_lengths: Tensor | None = None  # [B] real source tokens, EOS included; stays on the host
 
     def to(self, device: torch.device) -> Batch:
+        """The batch on `device` (asynchronous copies from pinned memory on CUDA); the
+        source lengths stay on the host, where packed RNNs need them."""
         nb = device.type == "cuda"
         return Batch(
             self.src.to(device, non_blocking=nb),
@@ -39,10 +46,13 @@ class Batch:
             self.tgt_out.to(device, non_blocking=nb),
             self.indices,
             self.tgt_tokens,
+            self.src_lengths,
         )
 
 
 def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    import pyarrow as pa
+
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     offsets = array.offsets.to_numpy().astype(np.int64)
     values = array.values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
@@ -62,6 +72,8 @@ class EncodedSplit:
 
     @classmethod
     def load(cls, path: Path) -> EncodedSplit:
+        import datasets
+
         return cls(datasets.load_from_disk(str(path)))
 
     def __len__(self) -> int:
@@ -76,7 +88,9 @@ class EncodedSplit:
     def tgt_ids(self, i: int) -> np.ndarray:
         return self.tgt_values[self.tgt_offsets[i] : self.tgt_offsets[i + 1]]
 
-    def collate(self, indices: np.ndarray) -> Batch:
+    def collate(self, indices: np.ndarray, pin: bool = False) -> Batch:
+        """The padded batch of examples `indices`; in pinned (page-locked) host memory with
+        `pin`, so that a copy to CUDA with non_blocking=True is asynchronous."""
         b = len(indices)
         s = int(self.src_lens[indices].max()) + 1
         t = int(self.tgt_lens[indices].max()) + 1
@@ -91,14 +105,20 @@ class EncodedSplit:
             tgt_in[row, 1 : len(y) + 1] = y
             tgt_out[row, : len(y)] = y
             tgt_out[row, len(y)] = EOS_ID
-        src_t = torch.from_numpy(src)
+        src_t, tgt_in_t, tgt_out_t = map(torch.from_numpy, (src, tgt_in, tgt_out))
+        mask = src_t != PAD_ID
+        if pin:
+            src_t, mask, tgt_in_t, tgt_out_t = (
+                x.pin_memory() for x in (src_t, mask, tgt_in_t, tgt_out_t)
+            )
         return Batch(
             src=src_t,
-            src_mask=src_t != PAD_ID,
-            tgt_in=torch.from_numpy(tgt_in),
-            tgt_out=torch.from_numpy(tgt_out),
+            src_mask=mask,
+            tgt_in=tgt_in_t,
+            tgt_out=tgt_out_t,
             indices=np.asarray(indices),
             tgt_tokens=int(self.tgt_lens[indices].sum()) + b,
+            src_lengths=torch.from_numpy(self.src_lens[indices] + 1),
         )
 
 
@@ -176,6 +196,39 @@ class TokenBatches:
     def epoch(self, epoch: int, start: int = 0) -> list[np.ndarray]:
         """This rank's batches of `epoch`, from its `start`-th batch on (resume)."""
         return self.all_batches(epoch)[self.rank :: self.world][start:]
+
+    def tokens(self, batch: np.ndarray) -> int:
+        """Target tokens of a batch (EOS included), as `EncodedSplit.collate` counts them."""
+        return int(self.tgt_lens[batch].sum()) + len(batch)
+
+    def steps(
+        self, epoch: int, accumulate: int, start: int = 0
+    ) -> list[tuple[list[np.ndarray], int]]:
+        """This rank's optimizer steps of `epoch` from its `start`-th batch: the batches of
+        each step (`accumulate` of them, fewer at the end) and the target tokens of that step
+        on all ranks. Every rank computes the same lists, so ranks agree on every step's
+        token count without talking."""
+        batches = self.all_batches(epoch)
+        per_rank = [batches[r :: self.world][start:] for r in range(self.world)]
+        out = []
+        for g in range(0, len(per_rank[self.rank]), accumulate):
+            groups = [mine[g : g + accumulate] for mine in per_rank]
+            out.append((groups[self.rank], sum(self.tokens(b) for grp in groups for b in grp)))
+        return out
+
+    def resume_start(self, epoch: int, consumed: int, saved_world: int) -> int:
+        """Where this rank resumes `epoch` when `consumed` batches per rank were trained by
+        `saved_world` processes: `consumed` itself for the same world; for another, the
+        batch of this world's list at the same share of the epoch (the epoch's batches are
+        cut for the world, so this is approximate)."""
+        if saved_world == self.world:
+            return consumed
+        before = TokenBatches(
+            self.src_lens, self.tgt_lens, self.batch_tokens, self.seed, self.shuffle, 0, saved_world
+        )
+        share = consumed * saved_world / max(len(before.all_batches(epoch)), 1)
+        mine = len(self.all_batches(epoch)) // self.world
+        return min(mine, round(share * mine))
 
     def padding_fraction(self, epoch: int = 0) -> float:
         """Share of padded positions (source and target) in an epoch's batches."""

@@ -7,6 +7,7 @@ one prepared dataset, and a second `prepare` with unchanged settings does no wor
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -18,18 +19,17 @@ from pathlib import Path
 
 import datasets
 import numpy as np
-import yaml
 
 from nmt import NMTError
 from nmt.config import Config, DataConfig
 from nmt.data.batching import EncodedSplit
 from nmt.data.sources import (
     CORPORA,
-    _fingerprint,
-    _resolve_text,
     cache_root,
     edited_local_files,
+    fingerprint,
     load_split,
+    resolve_text,
 )
 from nmt.data.tokenizer import Encoder, Tokenizer, train_tokenizer
 
@@ -76,11 +76,16 @@ class Prepared:
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_dir(self.dir)
 
+    @property
+    def tokenizer_files(self) -> list[Path]:
+        """The sentencepiece model file(s) a run trained on this data needs."""
+        return sorted(self.dir.glob("spm*.model"))
+
 
 def _input_files(cfg: DataConfig) -> list[Path]:
     if cfg.source == "text":
         splits = split_names(cfg).values()
-        return [_resolve_text(s, lang) for s in splits for lang in (cfg.src, cfg.tgt)]
+        return [resolve_text(s, lang) for s in splits for lang in (cfg.src, cfg.tgt)]
     if cfg.source in ("tsv", "jsonl"):
         files = [Path(s) for s in split_names(cfg).values()]
         for f in files:
@@ -104,7 +109,7 @@ def prepared_dir(cfg: Config) -> Path:
         inputs = edited_local_files(cfg.data, split_names(cfg.data).values())
     else:
         files = _input_files(cfg.data)
-        inputs = _fingerprint(*files) if files else ""
+        inputs = fingerprint(*files) if files else ""
     if inputs:
         key = hashlib.sha256((key + inputs).encode()).hexdigest()[:16]
     return cache_root(cfg.data) / "prepared" / key
@@ -127,12 +132,27 @@ def _column(ds: datasets.Dataset, name: str) -> np.ndarray:
 
 
 def prepare(cfg: Config) -> Prepared:
-    """Prepare (or reuse) the data for `cfg`; see the module docstring."""
+    """Prepare (or reuse) the data for `cfg`; see the module docstring. Processes that ask for
+    the same data at once (the ranks of a distributed run, parallel runs) take turns on a lock
+    beside it: the first prepares, the others reuse its result."""
     existing = load_prepared(cfg)
     if existing is not None:
         return existing
     final = prepared_dir(cfg)
     final.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = final.parent / f".{final.name}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        try:
+            existing = load_prepared(cfg)
+            return existing if existing is not None else _prepare_locked(cfg, final)
+        finally:
+            # No file left behind. A process waiting on this (now nameless) file re-checks
+            # for the data when it gets the lock; one arriving later locks a new file.
+            lock_path.unlink(missing_ok=True)
+
+
+def _prepare_locked(cfg: Config, final: Path) -> Prepared:
     work = final.parent / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -237,66 +257,3 @@ def _prepare_into(cfg: Config, work: Path) -> dict:
             "total": round(time.perf_counter() - t0, 3),
         },
     }
-
-
-def attach(prepared: Prepared, cfg: Config, run_dir: Path) -> None:
-    """Make `run_dir` self-describing: resolved config and tokenizer model(s)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "config.yaml"
-    text = cfg.to_yaml()
-    if config_path.is_file() and config_path.read_text(encoding="utf-8") != text:
-        if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
-            old = _flatten(yaml.safe_load(config_path.read_text(encoding="utf-8")) or {})
-            new = _flatten(cfg.to_dict())
-            changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-            fixed = [k for k in changed if not k.startswith(RESUMABLE)]
-            if fixed:
-                raise NMTError(
-                    f"{run_dir} already holds a run trained with a different config ({', '.join(fixed)}); "
-                    "choose another --run-dir or delete that directory"
-                )
-    write_atomic(config_path, text)
-    tok_dir = run_dir / "tokenizer"
-    tok_dir.mkdir(exist_ok=True)
-    models = {f.name: f for f in prepared.dir.glob("spm*.model")}
-    for stale in tok_dir.glob("spm*.model"):  # from an earlier tokenizer setting of this run
-        if stale.name not in models:
-            stale.unlink()
-    for name, f in models.items():
-        write_atomic(tok_dir / name, f.read_bytes())
-
-
-# Keys a run may change when it is resumed: budgets, logging cadence, decoding.
-RESUMABLE = (
-    "train.max_steps",
-    "train.max_epochs",
-    "train.max_minutes",
-    "train.log_every",
-    "train.valid_every",
-    "train.save_every",
-    "train.keep_last",
-    "train.patience",
-    "train.tensorboard",
-    "train.valid_max_sentences",
-    "decode.",
-)
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def write_atomic(path: Path, content: str | bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    data = content.encode("utf-8") if isinstance(content, str) else content
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

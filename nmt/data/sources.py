@@ -186,7 +186,7 @@ def _jsonl_pairs(path: str, src_field: str, tgt_field: str, fingerprint: str) ->
         yield {"src": src, "tgt": tgt}
 
 
-def _fingerprint(*paths: Path) -> str:
+def fingerprint(*paths: Path) -> str:
     parts = []
     for p in paths:
         st = p.stat()
@@ -217,7 +217,7 @@ def _from_generator(generator, kwargs: dict, cache_dir: Path) -> datasets.Datase
         raise _user_error(e) from None
 
 
-def _resolve_text(prefix: str, lang: str) -> Path:
+def resolve_text(prefix: str, lang: str) -> Path:
     for candidate in (Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")):
         if candidate.is_file():
             return candidate
@@ -369,18 +369,18 @@ def load_split(cfg: DataConfig, split: str, work_dir: Path) -> datasets.Dataset:
             {
                 "src_path": str(paths[0]),
                 "tgt_path": str(paths[1]),
-                "fingerprint": _fingerprint(*paths),
+                "fingerprint": fingerprint(*paths),
             },
             cache,
         )
     if cfg.source == "text":
-        paths = [_resolve_text(split, cfg.src), _resolve_text(split, cfg.tgt)]
+        paths = [resolve_text(split, cfg.src), resolve_text(split, cfg.tgt)]
         return _from_generator(
             _text_pairs,
             {
                 "src_path": str(paths[0]),
                 "tgt_path": str(paths[1]),
-                "fingerprint": _fingerprint(*paths),
+                "fingerprint": fingerprint(*paths),
             },
             cache,
         )
@@ -390,7 +390,7 @@ def load_split(cfg: DataConfig, split: str, work_dir: Path) -> datasets.Dataset:
             raise NMTError(f"file not found: {path} (check data.train/valid/test in the recipe)")
         generator = _tsv_pairs if cfg.source == "tsv" else _jsonl_pairs
         kwargs = {"path": str(path), "src_field": src_field, "tgt_field": tgt_field}
-        return _from_generator(generator, {**kwargs, "fingerprint": _fingerprint(path)}, cache)
+        return _from_generator(generator, {**kwargs, "fingerprint": fingerprint(path)}, cache)
     return _load_hub(cfg, split, src_field, tgt_field, cache)
 
 

@@ -7,7 +7,10 @@ Every model maps batch-first tensors to batch-first tensors:
 - ``init_state(memory: State) -> State`` (the decoder's starting state);
 - ``step(prev[B], state) -> (StepOutput, State)`` (one target position, never mutating).
 
-``src_mask`` is boolean, True at real tokens. A ``State`` is a plain dict of tensors whose first
+``src_mask`` is boolean, True at real tokens. ``forward`` and ``encode`` also take the source
+lengths on the host, ``src_lengths[B]`` (CPU), when the caller knows them (batching does):
+models that need lengths on the host (packed RNNs) read them there instead of waiting for the
+device to sum the mask; the others ignore them. A ``State`` is a plain dict of tensors whose first
 dimension is the batch, so ``reorder_state`` serves beam expansion and pruning for every model.
 State entries that are functions of the source alone (encoder memory, attention keys computed
 once per sentence, the source mask) are named ``src_*`` and hold one row per sentence. The
@@ -26,6 +29,9 @@ the cache to extend it (`extend_cache`), so a beam step copies each cache once, 
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,9 +57,11 @@ class StepOutput:
 
 
 class TranslationModel(Protocol):
-    def forward(self, src: Tensor, src_mask: Tensor, tgt_in: Tensor) -> Tensor: ...
+    def forward(
+        self, src: Tensor, src_mask: Tensor, tgt_in: Tensor, src_lengths: Tensor | None = None
+    ) -> Tensor: ...
 
-    def encode(self, src: Tensor, src_mask: Tensor) -> State: ...
+    def encode(self, src: Tensor, src_mask: Tensor, src_lengths: Tensor | None = None) -> State: ...
 
     def init_state(self, memory: State) -> State: ...
 
@@ -122,3 +130,41 @@ def hypotheses_per_sentence(rows: int, per_sentence: Tensor) -> int:
 
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+class WeightCache:
+    """A module that may keep copies derived from its weights (packed into a kernel's layout,
+    cast to a compute dtype) while `fixed_weights(model)` says those weights do not change.
+    `weight_cache` is the scope's dict for them (keyed as the module likes), None outside a
+    scope: the copies live exactly as long as the outermost scope."""
+
+    _fixed_depth = 0  # depth of the enclosing fixed_weights scopes
+
+    @property
+    def weight_cache(self) -> dict | None:
+        return self.__dict__.get("_weight_cache")
+
+
+_scopes = threading.Lock()  # fixed_weights scopes may open and close in several threads
+
+
+@contextlib.contextmanager
+def fixed_weights(model: torch.nn.Module) -> Iterator[None]:
+    """A scope in which the model's weights do not change (decoding): its `WeightCache`
+    modules keep what they derive from their weights until the outermost scope ends, so no
+    optimizer step or state dict load can leave a stale copy behind. Decoding threads may
+    open scopes on one model at once."""
+    caches = [m for m in model.modules() if isinstance(m, WeightCache)]
+    with _scopes:
+        for m in caches:
+            m._fixed_depth += 1
+            if m.weight_cache is None:
+                m.__dict__["_weight_cache"] = {}
+    try:
+        yield
+    finally:
+        with _scopes:
+            for m in caches:
+                m._fixed_depth -= 1
+                if not m._fixed_depth:
+                    m.__dict__.pop("_weight_cache", None)

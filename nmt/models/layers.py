@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.func import functional_call
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from nmt.device import cpu_has_bf16
+from nmt.cpu import cpu_has_bf16
+from nmt.models.base import WeightCache
 from nmt.special import PAD_ID
 
 
@@ -84,8 +83,8 @@ def packed_dtype(x: Tensor) -> torch.dtype | None:
     return None
 
 
-class PackedInference:
-    """Linear maps that, inside `packed_weights(model)`, run oneDNN's inner product on a
+class PackedInference(WeightCache):
+    """Linear maps that, inside `fixed_weights(model)`, run oneDNN's inner product on a
     weight reordered once into its blocked layout, instead of `F.linear`, which lays the
     weight out again at every call. Outside that scope, or where `packed_dtype` says no,
     they are `F.linear`.
@@ -97,15 +96,12 @@ class PackedInference:
     `F.linear`; fp32 results differ in rounding only (summation order).
     """
 
-    _packing = 0  # depth of the enclosing packed_weights scopes
-    _packed: dict | None = None  # in a scope: dtype -> (weight, bias) packed, or None (failed)
-
     def packed_linear(
         self, x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool = False
     ) -> Tensor:
         """x W^T + b, then ReLU when `relu` (on a packed weight, fused into the product: one
         pass less over the [320,1024] FFN activations of a beam-5 step)."""
-        cache = self._packed  # read once: decoding threads share it (see decode_batches)
+        cache = self.weight_cache  # read once: decoding threads share it (see decode_batches)
         dtype = packed_dtype(x) if cache is not None else None
         if dtype is not None and dtype not in cache:  # two threads may both pack; one is kept
             try:
@@ -120,30 +116,6 @@ class PackedInference:
         packed, packed_bias = cache[dtype]
         post = "relu" if relu else "none"
         return torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed, packed_bias, post, [], "")
-
-
-_scopes = threading.Lock()  # packed_weights scopes may open and close in several threads
-
-
-@contextlib.contextmanager
-def packed_weights(model: nn.Module) -> Iterator[None]:
-    """A scope in which the model's weights do not change (decoding): its `PackedInference`
-    maps pack their weights at first use and keep them until the outermost scope ends, so
-    no optimizer step or state dict load can leave a stale copy behind."""
-    layers = [m for m in model.modules() if isinstance(m, PackedInference)]
-    with _scopes:
-        for m in layers:
-            m._packing += 1
-            if m._packed is None:
-                m._packed = {}
-    try:
-        yield
-    finally:
-        with _scopes:
-            for m in layers:
-                m._packing -= 1
-                if not m._packing:
-                    m._packed = None
 
 
 class Linear(PackedInference, nn.Linear):
@@ -220,8 +192,29 @@ def _lstm_needs_fp32() -> bool:
     )
 
 
-class RNN(nn.Module):
-    """A GRU or LSTM whose hidden state is exchanged batch-first: [B, L*dirs, H]."""
+def explicit_rnn_dtype(
+    device_type: str, autocast_enabled: bool, autocast_dtype: torch.dtype
+) -> torch.dtype | None:
+    """The dtype a GRU/LSTM must be run in by hand, outside autocast, or None where autocast
+    (or no autocast) already runs it right.
+
+    CUDA autocast's rule for cuDNN RNNs casts input and weights to fp16 whatever the autocast
+    dtype (aten/src/ATen/cudnn/AutocastRNN.cpp), so under bf16 autocast the RNN would run in
+    fp16, without loss scaling. There the RNN runs with autocast off, in autocast's dtype
+    (bf16, or fp16 with the scaler). CPU autocast runs oneDNN's RNN in its own dtype: None."""
+    if device_type != "cuda" or not autocast_enabled:
+        return None
+    return autocast_dtype
+
+
+class RNN(WeightCache, nn.Module):
+    """A GRU or LSTM whose hidden state is exchanged batch-first: [B, L*dirs, H].
+
+    Under CUDA autocast it runs in autocast's dtype by hand (`explicit_rnn_dtype`), on weights
+    cast once per `fixed_weights` scope: once per decoding, once per forward of a model that
+    calls it at every target position (`nmt.models.rnn_attention`). `nn.RNNBase` flattens its
+    weights into cuDNN's layout itself whenever the module moves (`_apply`), so once after
+    `.to(device)`, not at every call."""
 
     def __init__(
         self,
@@ -244,24 +237,45 @@ class RNN(nn.Module):
             batch_first=True,
         )
 
+    def weights_in(self, dtype: torch.dtype) -> dict[str, Tensor]:
+        """The RNN's parameters cast to `dtype` (differentiable casts of the fp32 weights), once
+        per `fixed_weights` scope, else at every call."""
+        cache = self.weight_cache
+        if cache is not None and dtype in cache:
+            return cache[dtype]
+        weights = {name: p.to(dtype) for name, p in self.rnn.named_parameters()}
+        return weights if cache is None else cache.setdefault(dtype, weights)
+
     def forward(
-        self, x: Tensor, hidden: Tensor | None = None, cell: Tensor | None = None
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        self, x: Tensor | PackedSequence, hidden: Tensor | None = None, cell: Tensor | None = None
+    ) -> tuple[Tensor | PackedSequence, Tensor, Tensor | None]:
         """x[B,T,I], hidden/cell[B,L,H] -> outputs[B,T,H], hidden[B,L,H], cell[B,L,H] | None."""
         h0 = None if hidden is None else hidden.transpose(0, 1).contiguous()  # [L,B,H]
+        c0 = None if cell is None else cell.transpose(0, 1).contiguous()
+        device = x.data.device.type  # a PackedSequence's data, or the tensor itself
+        dtype = explicit_rnn_dtype(
+            device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+        )
+        if dtype is not None:
+            with torch.autocast(device, enabled=False):
+                state = None if h0 is None else h0.to(dtype)
+                if self.is_lstm:
+                    state = None if h0 is None else (h0.to(dtype), c0.to(dtype))
+                out, hc = functional_call(self.rnn, self.weights_in(dtype), (x.to(dtype), state))
+        elif self.is_lstm and _lstm_needs_fp32():
+            # oneDNN has no bf16 LSTM primitive on CPUs without native bf16 ("could not create
+            # a primitive descriptor"): run the cell in fp32 there.
+            with torch.autocast("cpu", enabled=False):
+                state = None if h0 is None else (h0.float(), c0.float())
+                out, hc = self.rnn(x.float(), state)
+        elif self.is_lstm:
+            out, hc = self.rnn(x, None if h0 is None else (h0, c0))
+        else:
+            out, hc = self.rnn(x, h0)
         if self.is_lstm:
-            c0 = None if cell is None else cell.transpose(0, 1).contiguous()
-            if _lstm_needs_fp32():
-                # oneDNN has no bf16 LSTM primitive on CPUs without native bf16 ("could not
-                # create a primitive descriptor"): run the cell in fp32 there.
-                with torch.autocast("cpu", enabled=False):
-                    hc = None if h0 is None else (h0.float(), c0.float())
-                    out, (h, c) = self.rnn(x.float(), hc)
-            else:
-                out, (h, c) = self.rnn(x, None if h0 is None else (h0, c0))
+            h, c = hc
             return out, h.transpose(0, 1), c.transpose(0, 1)
-        out, h = self.rnn(x, h0)
-        return out, h.transpose(0, 1), None
+        return out, hc.transpose(0, 1), None
 
 
 class RNNEncoder(nn.Module):
@@ -286,14 +300,18 @@ class RNNEncoder(nn.Module):
         self.hidden = hidden
         self.out_dim = hidden * self.dirs
 
-    def forward(self, src: Tensor, src_mask: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, src: Tensor, src_mask: Tensor, src_lengths: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """src[B,S], src_mask[B,S] -> outputs[B,S,dirs*H] (zero at pads), final[B,dirs*H].
 
         `final` is the top layer's last state in each direction (forward at the last real
-        token, backward at the first), concatenated.
+        token, backward at the first), concatenated. Packing needs the lengths on the host:
+        `src_lengths` [B] (CPU) when the caller has them, else read from the mask (on CUDA, a
+        wait for the device).
         """
         x = self.dropout(self.embed(src))  # [B,S,E]
-        lengths = src_mask.sum(1).cpu()
+        lengths = src_mask.sum(1).cpu() if src_lengths is None else src_lengths
         packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
         out, hidden, _ = self.rnn(packed)
         out, _ = pad_packed_sequence(

@@ -1,24 +1,30 @@
-"""`model.arch` -> (config dataclass, builder). The only place configs meet constructors.
+"""`model.arch` -> builder: the only place configs (`nmt.models.configs`) meet constructors.
 
-Adding an architecture: one model file with its config dataclass, one entry here.
+Adding an architecture: its config dataclass in `nmt.models.configs`, one model file, one
+builder and one entry here.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from torch import nn
 
 from nmt.models.base import Vocab, count_parameters
-from nmt.models.rnn_attention import RNNAttention, RNNAttentionConfig
-from nmt.models.seq2seq import Seq2Seq, Seq2SeqConfig
-from nmt.models.transformer import Transformer, TransformerConfig
+from nmt.models.configs import (
+    CONFIGS,
+    ModelConfig,
+    RNNAttentionConfig,
+    Seq2SeqConfig,
+    TransformerConfig,
+    arch_of,
+)
+from nmt.models.rnn_attention import RNNAttention
+from nmt.models.seq2seq import Seq2Seq
+from nmt.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
-
-ModelConfig = Seq2SeqConfig | RNNAttentionConfig | TransformerConfig
 
 
 def build_seq2seq(c: Seq2SeqConfig, vocab: Vocab) -> nn.Module:
@@ -76,20 +82,18 @@ def build_transformer(c: TransformerConfig, vocab: Vocab) -> nn.Module:
     )
 
 
-@dataclass(frozen=True)
-class Architecture:
-    config: type
-    build: Callable[..., nn.Module]
-
-
-ARCHITECTURES: dict[str, Architecture] = {
-    "seq2seq": Architecture(Seq2SeqConfig, build_seq2seq),
-    "rnn_attention": Architecture(RNNAttentionConfig, build_rnn_attention),
-    "transformer": Architecture(TransformerConfig, build_transformer),
+BUILDERS: dict[str, Callable[..., nn.Module]] = {
+    "seq2seq": build_seq2seq,
+    "rnn_attention": build_rnn_attention,
+    "transformer": build_transformer,
 }
+assert BUILDERS.keys() == CONFIGS.keys(), "every configured architecture needs a builder"
 
 
 def build_model(arch: str, config: ModelConfig, vocab: Vocab) -> nn.Module:
-    model = ARCHITECTURES[arch].build(config, vocab)
+    """The `arch` model of `config` for `vocab`."""
+    if arch_of(config) != arch:
+        raise ValueError(f"a {type(config).__name__} does not configure a {arch} model")
+    model = BUILDERS[arch](config, vocab)
     log.debug("built %s model with %s parameters", arch, f"{count_parameters(model):,}")
     return model

@@ -9,13 +9,16 @@ computed once per sentence in `init_state`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 from torch import Tensor, nn
 
-from nmt.models.base import State, StepOutput, hypotheses_per_sentence, source_state
+from nmt.models.base import (
+    State,
+    StepOutput,
+    fixed_weights,
+    hypotheses_per_sentence,
+    source_state,
+)
 from nmt.models.layers import (
     RNN,
     Dropout,
@@ -25,32 +28,6 @@ from nmt.models.layers import (
     RecurrentAttention,
     RNNEncoder,
 )
-
-
-@dataclass(frozen=True)
-class RNNAttentionConfig:
-    cell: Literal["gru", "lstm"] = "gru"
-    emb_dim: int = 256
-    enc_hidden: int = 256  # per direction; the encoder is bidirectional
-    dec_hidden: int = 512
-    enc_layers: int = 1
-    dec_layers: int = 1
-    attention: Literal["additive", "general", "dot"] = "additive"
-    attn_dim: int = 256  # additive attention only
-    input_feed: bool = False
-    dropout: float = 0.2
-    tie_embeddings: bool = True
-
-    def __post_init__(self) -> None:
-        if (
-            min(self.emb_dim, self.enc_hidden, self.dec_hidden, self.enc_layers, self.dec_layers)
-            < 1
-        ):
-            raise ValueError("dimensions and layer counts must be >= 1")
-        if self.attention == "dot" and 2 * self.enc_hidden != self.dec_hidden:
-            raise ValueError("dot attention needs dec_hidden == 2 * enc_hidden")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError("dropout must be in [0, 1)")
 
 
 class RNNAttention(nn.Module):
@@ -92,8 +69,8 @@ class RNNAttention(nn.Module):
         self.is_lstm = cell == "lstm"
 
     # -- contract --------------------------------------------------------------------------
-    def encode(self, src: Tensor, src_mask: Tensor) -> State:
-        memory, final = self.encoder(src, src_mask)  # [B,S,M], [B,M]
+    def encode(self, src: Tensor, src_mask: Tensor, src_lengths: Tensor | None = None) -> State:
+        memory, final = self.encoder(src, src_mask, src_lengths)  # [B,S,M], [B,M]
         return {"memory": memory, "src_mask": src_mask, "final": final}
 
     def init_state(self, memory: State) -> State:
@@ -117,13 +94,18 @@ class RNNAttention(nn.Module):
         readout, weights, new_state = self._step(y, state)
         return StepOutput(self.output(self.dropout(readout)), weights), new_state
 
-    def forward(self, src: Tensor, src_mask: Tensor, tgt_in: Tensor) -> Tensor:
-        state = self.init_state(self.encode(src, src_mask))
+    def forward(
+        self, src: Tensor, src_mask: Tensor, tgt_in: Tensor, src_lengths: Tensor | None = None
+    ) -> Tensor:
+        state = self.init_state(self.encode(src, src_mask, src_lengths))
         y = self.dropout(self.tgt_embed(tgt_in))  # [B,T,E]
         readouts = []
-        for t in range(tgt_in.size(1)):  # the recurrence is sequential; the projection is not
-            readout, _, state = self._step(y[:, t], state)
-            readouts.append(readout)
+        # The recurrence is sequential, the projection is not. The decoder's weights are fixed
+        # for this forward: cast once for all positions where the RNN runs in a cast dtype.
+        with fixed_weights(self.decoder):
+            for t in range(tgt_in.size(1)):
+                readout, _, state = self._step(y[:, t], state)
+                readouts.append(readout)
         return self.output(self.dropout(torch.stack(readouts, 1)))  # [B,T,V]
 
     # -- internals -------------------------------------------------------------------------

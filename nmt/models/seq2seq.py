@@ -7,32 +7,11 @@ This is the bottleneck model: no per-position encoder state ever reaches the dec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 from torch import Tensor, nn
 
 from nmt.models.base import State, StepOutput, hypotheses_per_sentence, source_state
 from nmt.models.layers import RNN, Dropout, Embedding, Linear, OutputProjection, RNNEncoder
-
-
-@dataclass(frozen=True)
-class Seq2SeqConfig:
-    cell: Literal["gru", "lstm"] = "gru"
-    emb_dim: int = 256
-    hidden: int = 512
-    enc_layers: int = 1
-    dec_layers: int = 1
-    bidirectional: bool = True
-    dropout: float = 0.2
-    tie_embeddings: bool = True  # tie target embedding and output projection
-
-    def __post_init__(self) -> None:
-        if min(self.emb_dim, self.hidden, self.enc_layers, self.dec_layers) < 1:
-            raise ValueError("emb_dim, hidden, enc_layers and dec_layers must be >= 1")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError("dropout must be in [0, 1)")
 
 
 class Seq2Seq(nn.Module):
@@ -67,8 +46,8 @@ class Seq2Seq(nn.Module):
         self.is_lstm = cell == "lstm"
 
     # -- contract --------------------------------------------------------------------------
-    def encode(self, src: Tensor, src_mask: Tensor) -> State:
-        _, final = self.encoder(src, src_mask)  # [B, dirs*H]; per-position outputs discarded
+    def encode(self, src: Tensor, src_mask: Tensor, src_lengths: Tensor | None = None) -> State:
+        _, final = self.encoder(src, src_mask, src_lengths)  # [B, dirs*H]; outputs discarded
         return {"context": torch.tanh(self.to_context(final))}  # c [B,H]
 
     def init_state(self, memory: State) -> State:
@@ -83,8 +62,10 @@ class Seq2Seq(nn.Module):
         logits, new_state = self._decode(prev[:, None], state)  # [B,1,V]
         return StepOutput(logits[:, 0], None), new_state
 
-    def forward(self, src: Tensor, src_mask: Tensor, tgt_in: Tensor) -> Tensor:
-        state = self.init_state(self.encode(src, src_mask))
+    def forward(
+        self, src: Tensor, src_mask: Tensor, tgt_in: Tensor, src_lengths: Tensor | None = None
+    ) -> Tensor:
+        state = self.init_state(self.encode(src, src_mask, src_lengths))
         logits, _ = self._decode(tgt_in, state)
         return logits  # [B,T,V]
 

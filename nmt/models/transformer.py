@@ -12,9 +12,6 @@ query them together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -29,34 +26,6 @@ from nmt.models.base import (
     source_state,
 )
 from nmt.models.layers import Dropout, Embedding, Linear, OutputProjection, Positions, softmax
-
-
-@dataclass(frozen=True)
-class TransformerConfig:
-    d_model: int = 256
-    heads: int = 4
-    enc_layers: int = 3
-    dec_layers: int = 3
-    ffn_dim: int = 1024
-    dropout: float = 0.1
-    attn_dropout: float = 0.0
-    activation_dropout: float = 0.0  # inside the FFN, after the activation
-    activation: Literal["relu", "gelu"] = "relu"
-    norm: Literal["pre", "post"] = "pre"
-    positions: Literal["sinusoidal", "learned"] = "sinusoidal"
-    max_positions: int = 1024
-    scale_embeddings: bool = True
-    tie_embeddings: bool = True  # ties source, target and output embeddings (joint vocabulary)
-
-    def __post_init__(self) -> None:
-        if min(self.d_model, self.heads, self.enc_layers, self.dec_layers, self.ffn_dim) < 1:
-            raise ValueError("dimensions and layer counts must be >= 1")
-        if self.d_model % self.heads != 0:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads})")
-        if not all(
-            0.0 <= p < 1.0 for p in (self.dropout, self.attn_dropout, self.activation_dropout)
-        ):
-            raise ValueError("dropout values must be in [0, 1)")
 
 
 def attend(
@@ -326,7 +295,7 @@ class Transformer(nn.Module):
         return self.dropout(embed(ids) + self.positions(positions))  # [B,T,D]
 
     # -- contract --------------------------------------------------------------------------
-    def encode(self, src: Tensor, src_mask: Tensor) -> State:
+    def encode(self, src: Tensor, src_mask: Tensor, src_lengths: Tensor | None = None) -> State:
         positions = torch.arange(src.size(1), device=src.device)
         x = self._embed(self.src_embed, src, positions)  # [B,S,D]
         mask = src_mask[:, None, None, :]  # [B,1,1,S]
@@ -370,7 +339,9 @@ class Transformer(nn.Module):
         attention = weights.mean(1)  # last layer, averaged over heads [N,S]
         return StepOutput(logits, attention), new_state
 
-    def forward(self, src: Tensor, src_mask: Tensor, tgt_in: Tensor) -> Tensor:
+    def forward(
+        self, src: Tensor, src_mask: Tensor, tgt_in: Tensor, src_lengths: Tensor | None = None
+    ) -> Tensor:
         memory = self.encode(src, src_mask)["memory"]
         mask = src_mask[:, None, None, :]
         positions = torch.arange(tgt_in.size(1), device=tgt_in.device)

@@ -1,0 +1,51 @@
+"""Files written whole or not at all: a temporary file beside the target, moved over it once
+complete, so a crash or an interruption leaves the target as it was (and no temporary file)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TextIO
+
+from nmt import NMTError
+
+
+def write_atomic(path: Path, content: str | bytes) -> None:
+    """Write `content` (text as UTF-8) to `path`: temporary file, fsync, rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    data = content.encode("utf-8") if isinstance(content, str) else content
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_lines(path: Path, lines: list[str]) -> None:
+    """One line per entry (each ended by a newline), written atomically; folders created."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, "".join(line + "\n" for line in lines))
+
+
+@contextlib.contextmanager
+def replacing(path: Path, what: str = "--output") -> Iterator[TextIO]:
+    """A text file to stream into, moved over `path` once the scope ends without an error;
+    on an error (or Ctrl-C) `path` stays as it was. `what` names the path in errors."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        f = open(tmp, "w", encoding="utf-8")  # noqa: SIM115
+    except OSError as e:
+        raise NMTError(f"cannot write {what} {path}: {e.strerror}") from None
+    try:
+        with f:
+            yield f
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
