@@ -1,0 +1,221 @@
+"""The run directory: its state, and the writer lock that keeps a second writer out."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import tiny_run
+
+from nmt import NMTError, checkpoint, config
+from nmt.compare import System, ensure_trained
+from nmt.data.prepare import prepare
+from nmt.run import RunDir, attach
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "tiny" / "transformer.yaml"
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "400"}
+    return subprocess.run(
+        [sys.executable, "-m", "nmt", *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def start_cli(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "COLUMNS": "400"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "nmt", *map(str, args)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_until(condition, proc: subprocess.Popen | None = None, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"the process ended first: {proc.communicate()[1][-2000:]}")
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def holding(run: Path) -> subprocess.Popen:
+    """A process that holds the run's writer lock until killed."""
+    code = (
+        "import sys, time\n"
+        "from nmt.run import RunDir\n"
+        "with RunDir(sys.argv[1]).writer():\n"
+        "    print('held', flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def files_of(run: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+
+# -- state ----------------------------------------------------------------------------------
+
+
+def test_the_run_state_on_each_state(tmp_path):
+    trained, cfg = tiny_run("transformer", 40)  # finished at train.max_steps=40
+    empty = RunDir(tmp_path / "nothing-here")
+    assert empty.state().kind == "empty" and not empty.path.exists()
+    configured = RunDir(tmp_path / "configured")
+    attach(prepare(cfg), cfg, configured.path)
+    assert configured.state(cfg.train).kind == "configured"
+
+    run = RunDir(tmp_path / "run")
+    shutil.copytree(trained, run.path)
+    finished = run.state(cfg.train)
+    assert (finished.kind, finished.reason) == ("finished", "reached train.max_steps=40")
+    assert finished.progress.step == 40
+    assert run.state().kind == "finished"  # by the budget it ended under
+    more = config.replace(cfg, ["train.max_steps=60"])
+    assert run.state(more.train).kind == "resumable"  # a larger budget leaves work to do
+    minutes = config.replace(cfg, ["train.max_steps=null", "train.max_minutes=1000"])
+    assert run.state(minutes.train).kind == "resumable"
+
+    payload = checkpoint.load(run.checkpoint("last"))
+    payload["progress"]["finished"] = ""  # as saved by a run that was interrupted
+    checkpoint.save(payload, run.checkpoint("last"))
+    assert run.state().kind == "resumable"
+
+    run.checkpoint("last").write_bytes(b"not a checkpoint")
+    with pytest.raises(NMTError, match="cannot read checkpoint"):
+        run.state(cfg.train)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(NMTError, match="is a file, not a run directory"):
+        RunDir(a_file).state()
+
+
+def test_the_layout_names_every_file_of_a_trained_run():
+    trained, _ = tiny_run("transformer", 40)
+    run = RunDir(trained)
+    named = {run.config_file, run.metrics_file, run.log_file, run.lock_file}
+    named |= {run.checkpoint(k) for k in ("last", "best")} | set(run.step_checkpoints())
+    named |= {run.tokenizer_dir / name for name in run.tokenizer_files()}
+    files = {p for p in trained.rglob("*") if p.is_file()}
+    assert named <= files
+    # Other tests may have averaged or evaluated this shared run: files the layout names too.
+    for extra in files - named:
+        assert extra == run.checkpoint("averaged") or extra.parent.name == "translations", extra
+    # Saves every 10 steps, the last two step checkpoints kept; step 40 is last.pt only.
+    assert [p.name for p in run.step_checkpoints()] == ["step-20.pt", "step-30.pt"]
+    assert run.model_checkpoint() == run.checkpoint("best")
+
+
+# -- the writer lock ------------------------------------------------------------------------
+
+
+def test_a_second_writer_is_refused_and_a_killed_holder_blocks_nobody(tmp_path):
+    run = RunDir(tmp_path / "run")
+    holder = holding(run.path)
+    try:
+        with pytest.raises(NMTError) as refused:
+            with run.writer():
+                pass
+        assert f"pid {holder.pid} on " in str(refused.value) and "another process" in str(
+            refused.value
+        )
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with run.writer():  # the OS released the dead holder's lock
+        assert str(os.getpid()) in run.lock_file.read_text()
+    assert run.lock_file.read_text() == ""  # emptied on release
+
+
+def test_two_trainings_on_one_run_directory(tmp_path):
+    """The second is refused at once (exit 2, one line naming the holder); the first trains
+    to the end undisturbed."""
+    run = tmp_path / "run"
+    sets = ["--set", "train.max_steps=40", "--set", "train.valid_every=20"]
+    first = start_cli("train", TINY, "--run-dir", run, *sets)
+    try:
+        wait_until(lambda: (run / ".lock").is_file() and (run / ".lock").read_text(), first)
+        second = run_cli("train", TINY, "--run-dir", run, *sets)
+        assert second.returncode == 2, second.stderr
+        assert second.stderr.strip().count("\n") == 0 and "Traceback" not in second.stderr
+        assert f"pid {first.pid} on " in second.stderr
+        resumed = run_cli("train", TINY, "--run-dir", run, "--resume", *sets)
+        assert resumed.returncode == 2 and f"pid {first.pid}" in resumed.stderr
+    finally:
+        _, stderr = first.communicate(timeout=300)
+    assert first.returncode == 0, stderr
+    records = RunDir(run).metrics()
+    assert [r["step"] for r in records if r["kind"] == "train"] == [10, 20, 30, 40]
+    assert checkpoint.load(run / "checkpoints" / "last.pt")["progress"]["step"] == 40
+
+
+def test_a_sigkilled_training_leaves_no_lock_behind(tmp_path):
+    run = tmp_path / "run"
+    sets = ["--set", "train.max_steps=400", "--set", "train.save_every=5"]
+    proc = start_cli("train", TINY, "--run-dir", run, *sets, "--set", "train.valid_every=1000")
+    wait_until(lambda: (run / "checkpoints" / "last.pt").is_file(), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (run / ".lock").read_text()  # the killed holder's name is still written there
+    res = run_cli("train", TINY, "--run-dir", run, "--resume", "--set", "train.max_steps=12")
+    assert res.returncode == 0, res.stderr
+    assert checkpoint.load(run / "checkpoints" / "last.pt")["progress"]["step"] == 12
+
+
+def test_compare_and_average_refuse_a_run_another_process_writes(tmp_path):
+    trained, cfg = tiny_run("transformer", 40)
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    before = files_of(run)
+    holder = holding(run)
+    try:
+        system = System("transformer", TINY, cfg, run)
+        with pytest.raises(NMTError, match=f"pid {holder.pid} on "):
+            ensure_trained(system, lambda: None, lambda _: None)
+        res = run_cli("average", run, "--last", "2")
+        assert res.returncode == 2 and f"pid {holder.pid}" in res.stderr
+        assert not (run / "checkpoints" / "averaged.pt").exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert {p: b for p, b in files_of(run).items() if p.name != ".lock"} == {
+        p: b for p, b in before.items() if p.name != ".lock"
+    }
+    said = []
+    assert ensure_trained(System("transformer", TINY, cfg, run), lambda: None, said.append) == (
+        "reused"
+    )
+    assert "reusing finished run" in said[0]
+
+
+def test_readers_need_no_lock(tmp_path):
+    """translate (and evaluate) read a run that a writer holds."""
+    trained, _ = tiny_run("transformer", 40)
+    holder = holding(trained)
+    try:
+        src = tmp_path / "in.en"
+        src.write_text("A dog runs.\n")
+        res = run_cli("translate", trained, "--input", src)
+        assert res.returncode == 0 and res.stdout.count("\n") == 1, res.stderr
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
