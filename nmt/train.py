@@ -284,7 +284,7 @@ class StepMeter:
 
     def __init__(self, device: torch.device) -> None:
         self._values = torch.zeros(4, dtype=torch.float64, device=device)
-        self._carry = torch.tensor([0.0, 1.0, 1.0, 0.0], dtype=torch.float64, device=device)
+        self._carry = torch.tensor([False, True, True, False], device=device)
         self.grad_norm = float("nan")  # of the last step read
 
     def add(self, r: StepResult) -> None:
@@ -299,7 +299,7 @@ class StepMeter:
         """(loss sum and skipped steps since the last read, consecutive bad steps): one
         transfer from the device. The consecutive count carries over."""
         loss, self.grad_norm, bad_run, skipped = self._values.tolist()
-        self._values = self._values * self._carry
+        self._values = torch.where(self._carry, self._values, 0.0)
         return loss, int(skipped), int(bad_run)
 
 
@@ -637,8 +637,10 @@ def train(
     device, precision = preflight(cfg)
     device = distributed.rank_device(device, world)
 
-    # Refuse what must not start before any work; check again under the lock.
-    run.check_not_written()
+    # Refuse what must not start before any work; check again under the lock (rank 0, the
+    # writer; the other ranks' checks read only).
+    if world.is_main:
+        run.check_not_written()
     check_start(run, cfg, resume)
     prepared = prepare(cfg)  # every rank: the first to ask prepares, the others reuse it
     with contextlib.ExitStack() as held:

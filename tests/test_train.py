@@ -482,6 +482,8 @@ def test_ddp_two_gloo_processes_match_one_process_accumulating(tmp_path):
     recipe = str(TINY / "transformer.yaml")
     sets = [
         "--set",
+        "train.device=cpu",  # gloo on the CPU also on a machine with GPUs (NCCL: test_gpu.py)
+        "--set",
         "train.precision=fp32",
         "--set",
         "train.max_steps=8",
@@ -554,7 +556,7 @@ def test_a_signal_on_every_rank_is_an_interruption(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     run_dir = tmp_path / "ddp-term"
-    sets = UNTIL_SIGNALLED
+    sets = [*UNTIL_SIGNALLED, "--set", "train.device=cpu"]
     env = {
         **os.environ,
         "COLUMNS": "400",
@@ -584,7 +586,27 @@ def test_a_signal_on_every_rank_is_an_interruption(tmp_path):
             proc.kill()
     assert [proc.returncode for proc in procs] == [0, 0], errs
     assert "interrupted (" in errs[0] and "--resume" in errs[0], errs[0]
-    assert checkpoint.load(run_dir / "checkpoints" / "last.pt")["progress"]["finished"] == ""
+    last = checkpoint.load(run_dir / "checkpoints" / "last.pt")
+    assert last["progress"]["finished"] == "" and len(last["rng"]) == 2  # one state per rank
+    # Resumed by two processes again: exact, nothing to say. By one: it trains on, and says
+    # that the epoch position and RNG states are re-derived.
+    step = last["progress"]["step"]
+    more = ["--resume", "--set", "train.device=cpu", "--set", f"train.max_steps={step + 2}"]
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        + ["-m", "nmt", "train", recipe, "--run-dir", str(run_dir), *more],
+        env={**os.environ, "COLUMNS": "400", "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert two.returncode == 0 and "re-derived" not in two.stderr, two.stderr[-3000:]
+    assert checkpoint.load(run_dir / "checkpoints" / "last.pt")["progress"]["step"] == step + 2
+    more[-1] = f"train.max_steps={step + 4}"
+    one = run_cli("train", recipe, "--run-dir", str(run_dir), *more)
+    assert one.returncode == 0 and "re-derived" in one.stderr, one.stderr
+    last = checkpoint.load(run_dir / "checkpoints" / "last.pt")
+    assert last["progress"]["step"] == step + 4 and len(last["rng"]) == 1
 
 
 @pytest.mark.parametrize("arch", ["seq2seq", "rnn_attention", "transformer"])
