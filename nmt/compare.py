@@ -293,14 +293,15 @@ def _write_plots(report: dict, systems: list[System], out: Path, device, example
     }
     valid_minutes = {name: [(h["minutes"], h["bleu"]) for h in hs] for name, hs in curve.items()}
     valid_steps = {name: [(h["step"], h["bleu"]) for h in hs] for name, hs in curve.items()}
-    plots.curves(
+    figures = report["figures"] = {}
+    figures["valid_bleu_vs_time.png"] = plots.curves(
         valid_minutes,
         "training wall-clock minutes",
         "validation BLEU",
         out / "valid_bleu_vs_time.png",
         "Validation BLEU vs time",
     )
-    plots.curves(
+    figures["valid_bleu_vs_steps.png"] = plots.curves(
         valid_steps,
         "training steps",
         "validation BLEU",
@@ -308,7 +309,7 @@ def _write_plots(report: dict, systems: list[System], out: Path, device, example
         "Validation BLEU vs steps",
     )
     loss = {r["name"]: [(h["step"], h["loss"]) for h in r["train_history"]] for r in rows}
-    plots.curves(
+    figures["train_loss.png"] = plots.curves(
         loss,
         "training steps",
         "training loss (label-smoothed, per token)",
@@ -316,7 +317,7 @@ def _write_plots(report: dict, systems: list[System], out: Path, device, example
         "Training loss",
     )
     split = report["splits"][0]
-    plots.grouped_bars(
+    figures["bleu_by_length.png"] = plots.grouped_bars(
         report["length_buckets"],
         {
             r["name"]: [v if v is not None else 0.0 for v in r["test"][split]["bleu_by_length"]]
@@ -338,7 +339,7 @@ def _write_plots(report: dict, systems: list[System], out: Path, device, example
         if att is None:
             continue
         name = f"attention_{system.name}.png"
-        plots.attention_heatmap(
+        figures[name] = plots.attention_heatmap(
             att.weights,
             att.src_pieces,
             att.tgt_pieces,

@@ -60,6 +60,11 @@ def paired_bootstrap(
 
     Returns the baseline's and each system's statistics per metric: score, ci_low, ci_high,
     p_value (None for the baseline). Systems may have any names, "baseline" included.
+
+    A system whose translations are the baseline's, line for line, gets p = 1: every resample
+    differs by exactly 0, and sacreBLEU counts only strictly larger differences (a rule taken
+    from multeval's randomization test, "a zero difference should not be attributed to
+    chance"), which would give it the smallest p there is, 1/(n+1).
     """
     from sacrebleu.significance import PairedTest
 
@@ -83,6 +88,10 @@ def paired_bootstrap(
                 "ci_high": mean + ci,
                 "p_value": None if res.p_value is None else float(res.p_value),
             }
+    for entry, system in zip(stats[1:], systems.values()):
+        if list(system) == list(baseline):
+            for metric in metrics:
+                entry[metric]["p_value"] = 1.0
     return stats[0], dict(zip(systems, stats[1:]))
 
 

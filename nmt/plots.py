@@ -1,4 +1,6 @@
-"""Matplotlib figures: attention heatmaps, learning curves, BLEU by source length."""
+"""Matplotlib figures: attention heatmaps, learning curves, BLEU by source length. Each
+function returns what it drew, read back from the figure (series and their point counts, or
+the image's shape), so a report can say what its figures show."""
 
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ def _save(fig, path) -> None:
 
 def attention_heatmap(
     weights: np.ndarray, src: list[str], tgt: list[str], path: Path, title: str = "", ax: Any = None
-) -> None:
-    """weights[T,S]: target rows, source columns, subword labels on both axes."""
+) -> dict[str, Any]:
+    """weights[T,S]: target rows, source columns, subword labels on both axes. Returns the
+    drawn image's shape and its axis labels."""
     own = ax is None
     if own:
         fig, ax = plt.subplots(figsize=(max(4, 0.45 * len(src) + 2), max(3, 0.4 * len(tgt) + 1.5)))
@@ -33,10 +36,16 @@ def attention_heatmap(
     ax.set_ylabel("target")
     if title:
         ax.set_title(title, fontsize=9)
+    drawn = {
+        "shape": list(ax.images[-1].get_array().shape),
+        "x_labels": [t.get_text() for t in ax.get_xticklabels()],
+        "y_labels": [t.get_text() for t in ax.get_yticklabels()],
+    }
     if own:
         fig.tight_layout()
         _save(fig, path)
         plt.close(fig)
+    return drawn
 
 
 def curves(
@@ -45,8 +54,8 @@ def curves(
     ylabel: str,
     path: Path,
     title: str = "",
-) -> None:
-    """One line per system: series[name] = [(x, y), ...]."""
+) -> dict[str, int]:
+    """One line per system: series[name] = [(x, y), ...]. Returns {label: points drawn}."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, points in series.items():
         if points:
@@ -58,9 +67,11 @@ def curves(
         ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
+    drawn = {line.get_label(): len(line.get_xdata()) for line in ax.get_lines()}
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)
+    return drawn
 
 
 def grouped_bars(
@@ -70,8 +81,9 @@ def grouped_bars(
     ylabel: str,
     path: Path,
     title: str = "",
-) -> None:
-    """Bars per group (e.g. source-length bucket), one colour per system."""
+) -> dict[str, int]:
+    """Bars per group (e.g. source-length bucket), one colour per system. Returns {label:
+    bars drawn}."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / max(len(values), 1)
     x = np.arange(len(groups))
@@ -84,6 +96,8 @@ def grouped_bars(
         ax.set_title(title)
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
+    drawn = {bars.get_label(): len(bars) for bars in ax.containers}
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)
+    return drawn

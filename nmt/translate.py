@@ -5,6 +5,7 @@ compare` decode with (scoring: `nmt.metrics`; a prepared split: `nmt.evaluate`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +27,8 @@ from nmt.models.registry import build_model
 from nmt.run import RunDir
 from nmt.search import Hypothesis, SearchOptions, force_decode, search
 from nmt.special import EOS_ID, PAD_ID
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -220,6 +223,11 @@ def decode_batches(
 
     done = (lambda src: progress(src.size(0))) if progress else None
     n_workers = decode_workers(workers, device, len(batches))
+    threads = max(1, torch.get_num_threads() // n_workers)
+    log.debug(
+        "decoding %d batch(es) on %s in %s, %d at once, %d thread(s) each",
+        len(batches), device, precision, n_workers, threads,
+    )
     with fixed_weights(model):
         return map_in_workers(run, batches, n_workers, done, stop)
 

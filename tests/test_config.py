@@ -416,12 +416,15 @@ def test_round_trip_to_dict_from_dict_and_yaml(cfg, tmp_path):
     assert load(path) == cfg
 
 
-def test_non_default_values_survive_the_round_trip():
+def test_non_default_values_are_read_with_their_types():
+    """Lists become tuples, null becomes None, the architecture picks the model dataclass
+    (the round trip of these values: test_round_trip_to_dict_from_dict_and_yaml)."""
     cfg = from_dict(NON_DEFAULT)
     assert cfg.data.test == ("/x/t1", "/x/t2") and cfg.train.betas == (0.8, 0.95)
+    assert isinstance(cfg.data.test, tuple) and isinstance(cfg.train.betas, tuple)
     assert cfg.train.max_steps is None and cfg.train.max_epochs == 3
     assert config.arch_of(cfg.model) == "rnn_attention" and cfg.model.cell == "lstm"
-    assert from_dict(cfg.to_dict()).model.input_feed is True
+    assert cfg.model.input_feed is True and type(cfg.model) is CONFIGS["rnn_attention"]
 
 
 # -- data key --------------------------------------------------------------------------------

@@ -251,10 +251,20 @@ def test_average_of_the_last_saves_is_validated_and_kept_only_when_better(
     *single, record = result.progress.history
     every = cfg.train.save_every
     assert record["averaged"] == [60 - 2 * every, 60 - every, 60]  # two step checkpoints + last
-    # The recorded loss is the validation loss of the mean of those three saves.
-    mean = checkpoint.average(
-        [ckpts / f"step-{60 - 2 * every}.pt", ckpts / f"step-{60 - every}.pt", ckpts / "last.pt"]
-    )["model"]
+    # The recorded loss is the validation loss of the mean of those three saves (the mean
+    # taken here by hand, not by checkpoint.average).
+    saves = [
+        ckpts / f"step-{60 - 2 * every}.pt",
+        ckpts / f"step-{60 - every}.pt",
+        ckpts / "last.pt",
+    ]
+    models = [torch.load(p, map_location="cpu", weights_only=True)["model"] for p in saves]
+    mean = {
+        k: torch.stack([m[k].double() for m in models]).mean(0).to(v.dtype)
+        if v.is_floating_point()
+        else v
+        for k, v in models[0].items()
+    }
     prepared = prepare(cfg)
     model = build_model(
         "transformer", cfg.model, Vocab(**checkpoint.load(ckpts / "last.pt")["vocab"])
@@ -319,12 +329,8 @@ def test_resuming_a_finished_run_trains_only_under_a_larger_budget(tmp_path):
     )
     first = train_api(tiny("transformer", "train.max_steps=10", *sets), run)
     assert first.progress.finished == "reached train.max_steps=10"
-    last, metrics = run / "checkpoints" / "last.pt", run / "metrics.jsonl"
-    # The budget it has reached: nothing to train, nothing written.
-    before = last.read_bytes(), metrics.read_bytes()
-    same = train(tiny("transformer", "train.max_steps=10", *sets), run, resume=True)
-    assert same.stop_reason == "reached train.max_steps=10" and same.progress.step == 10
-    assert (last.read_bytes(), metrics.read_bytes()) == before
+    last = run / "checkpoints" / "last.pt"
+    # (The budget it has reached changes nothing: test_resume_cli_with_a_spent_budget_...)
     # A larger budget: trains on and finishes again, averaging once, at the new end.
     more = train(tiny("transformer", "train.max_steps=14", *sets), run, resume=True)
     assert more.progress.step == 14 and more.progress.finished == "reached train.max_steps=14"

@@ -23,8 +23,10 @@ import sacrebleu
 import torch
 from conftest import tiny_run
 
+from nmt import checkpoint
 from nmt.data.prepare import prepare
-from nmt.translate import load_model, search_options, translate_lines
+from nmt.special import UNK_ID
+from nmt.translate import attention_of, load_model, search_options, translate_lines
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -35,12 +37,17 @@ CPU = torch.device("cpu")
 
 
 def nmt_cli(
-    *args, stdin: str = "", cwd: Path | None = None, columns: str | None = "400"
+    *args,
+    stdin: str = "",
+    cwd: Path | None = None,
+    columns: str | None = "400",
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     env = {
         **os.environ,  # NMT_DATA_DIR and NMT_CACHE_DIR from the session fixture
         "COLUMNS": columns,
         "OMP_NUM_THREADS": "1",  # tiny models; a shared 2-core machine
+        **(env or {}),
     }
     if columns is None:  # the width nmt picks by itself
         del env["COLUMNS"]
@@ -215,11 +222,28 @@ def test_translate_nbest(run, english, file_translation):
 
 @pytest.mark.parametrize("arch", ["transformer", "rnn_attention"])
 def test_attention_plot(arch, run, short_runs, english, tmp_path):
+    """The heatmap is the attention of the printed translation: one row per target piece
+    and EOS, one column per source piece and EOS, each row a distribution."""
     run_dir = run if arch == "transformer" else short_runs(arch)
     png = tmp_path / "attention.png"
-    result = ok(nmt_cli("translate", run_dir, "--attention-plot", png, stdin=english[0] + "\n"))
+    result = ok(
+        nmt_cli("translate", run_dir, *FP32, "--attention-plot", png, stdin=english[0] + "\n")
+    )
     assert png.read_bytes()[:8] == PNG_MAGIC
-    assert len(out_lines(result.stdout)) == 1  # the translation is printed as well
+    (printed,) = out_lines(result.stdout)  # the translation is printed as well
+    loaded = load_model(run_dir, CPU)
+    opts = search_options(loaded.config.decode, nbest=1)
+    (text, hyp), *_ = translate_lines(
+        loaded.model, loaded.tokenizer, [english[0]], opts, 10_000, CPU, "fp32"
+    )[0]
+    assert text == printed
+    att = attention_of(loaded.model, loaded.tokenizer, english[0], hyp.tokens, CPU, "fp32")
+    assert att.weights.shape == (
+        len(hyp.tokens) + 1,
+        len(loaded.tokenizer.src_pieces(english[0])) + 1,
+    )
+    assert att.weights.sum(1) == pytest.approx([1.0] * att.weights.shape[0], abs=1e-5)
+    assert att.src_pieces[-1] == att.tgt_pieces[-1] == "</s>"
 
 
 def test_attention_plot_without_attention(short_runs, english, tmp_path):
@@ -233,7 +257,7 @@ def test_attention_plot_without_attention(short_runs, english, tmp_path):
 
 @pytest.fixture(scope="module")
 def split_evaluation(run, multi30k_dir):
-    result = ok(nmt_cli("evaluate", run, "--split", "test_2016_flickr", "--json"))
+    result = ok(nmt_cli("evaluate", run, "--json"))  # no --split: the first test split
     hyp_file = run / "translations" / "test_2016_flickr.de"
     refs = read_gz_lines(multi30k_dir / "test_2016_flickr.de.gz")
     return json.loads(result.stdout), hyp_file, refs
@@ -554,15 +578,19 @@ def test_translate_input_that_is_not_utf8(run, tmp_path):
     assert b"standard input, line 2: bytes that are not UTF-8" in piped.stderr
 
 
-def test_ban_unk_flag_reaches_the_search(run):
-    """--ban-unk and --allow-unk are accepted; with --ban-unk no <unk> (⁇) comes out, even for
-    a source with characters the tokenizer never saw (test_search.test_ban_unk: the search)."""
-    unknown = "日本 A dog runs.\n"  # characters the tokenizer never saw: <unk> in the source
-    out = ok(nmt_cli("translate", run, *FP32, "--ban-unk", "--nbest", "2", stdin=unknown)).stdout
-    assert len(out.splitlines()) == 2 and "\u2047" not in out  # sentencepiece shows <unk> as ⁇
-    assert (
-        ok(nmt_cli("translate", run, *FP32, "--allow-unk", stdin=unknown)).stdout.count("\n") == 1
-    )
+def test_ban_unk_flag_reaches_the_search(run, english, tmp_path):
+    """A model whose output bias favours <unk> emits it (sentencepiece shows it as ⁇) with
+    --allow-unk, on every line; --ban-unk removes it and still translates."""
+    copy = copy_run(run, tmp_path / "run")
+    best = copy / "checkpoints" / "best.pt"
+    payload = checkpoint.load(best)
+    payload["model"]["output.bias"][UNK_ID] += 30.0
+    checkpoint.save(payload, best)
+    stdin = "\n".join(english[:5]) + "\n"
+    allowed = out_lines(ok(nmt_cli("translate", copy, *FP32, "--allow-unk", stdin=stdin)).stdout)
+    assert len(allowed) == 5 and all("\u2047" in line for line in allowed)
+    banned = out_lines(ok(nmt_cli("translate", copy, *FP32, "--ban-unk", stdin=stdin)).stdout)
+    assert len(banned) == 5 and all(line and "\u2047" not in line for line in banned)
 
 
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
@@ -620,6 +648,19 @@ def test_translate_with_parallel_workers_equals_one_worker(run, multi30k_dir):
     assert len(out_lines(two)) == len(lines) and out_lines(two)[7] == ""
     assert two == one
     assert "decode.workers" in one_line_error(nmt_cli(*args, "--workers", "-1", stdin=stdin))
+
+
+def test_workers_split_the_threads(run):
+    """--workers N: N batches at once, each with threads/N intra-op threads (seen in the
+    debug log), and the output of one worker."""
+    env = {"OMP_NUM_THREADS": "2", "NMT_DEBUG": "1"}
+    stdin = "A dog runs.\nTwo men sit on a bench.\nA woman reads.\n"
+    args = ("translate", run, "--batch-tokens", "30", *FP32)
+    two = ok(nmt_cli(*args, "--workers", "2", stdin=stdin, env=env))
+    one = ok(nmt_cli(*args, "--workers", "1", stdin=stdin, env=env))
+    assert "3 batch(es) on cpu in fp32, 2 at once, 1 thread(s) each" in two.stderr
+    assert "3 batch(es) on cpu in fp32, 1 at once, 2 thread(s) each" in one.stderr
+    assert two.stdout == one.stdout
 
 
 @pytest.mark.parametrize(
@@ -778,3 +819,198 @@ def test_preparing_data_shows_no_datasets_progress_bars(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "prepared en→de" in result.stderr
     assert "%|" not in result.stderr and "Map" not in result.stderr, result.stderr
+
+
+# -- every decoding option changes the search as documented --------------------------------
+
+
+@pytest.fixture(scope="module")
+def val_lines(multi30k_dir) -> list[str]:
+    return read_gz_lines(multi30k_dir / "val.en.gz")[:40]
+
+
+def translations(run, lines: list[str], *options: str) -> list[str]:
+    stdin = "\n".join(lines) + "\n"
+    out = out_lines(ok(nmt_cli("translate", run, *FP32, *options, stdin=stdin)).stdout)
+    assert len(out) == len(lines) * (1 if "--nbest" not in options else int(options[1]))
+    return out
+
+
+def pieces(run: Path, text: str) -> list[str]:
+    return load_model(run, CPU).tokenizer.tgt.encode(text, out_type=str)
+
+
+def test_beam_size_changes_the_search(run, val_lines):
+    """Beam 1 is greedy; beam 4 finds other translations for some sentences, and as many
+    n-best entries as asked for; both differ from the recipe's own beam (3) as they should."""
+    greedy = translations(run, val_lines, "--beam", "1")
+    beam4 = translations(run, val_lines, "--beam", "4")
+    assert any(a != b for a, b in zip(greedy, beam4))
+    nbest = translations(run, val_lines[:5], "--nbest", "4", "--beam", "4")
+    assert [int(row.split(" ||| ")[0]) for row in nbest] == [i for i in range(5) for _ in range(4)]
+    assert [row.split(" ||| ")[1] for row in nbest[::4]] == beam4[:5]
+
+
+def test_sampling_follows_its_seed(run, val_lines):
+    lines = val_lines[:20]
+    one = translations(run, lines, "--sample", "--seed", "1")
+    assert translations(run, lines, "--sample", "--seed", "1") == one  # reproducible
+    assert translations(run, lines, "--sample", "--seed", "2") != one
+    top1 = translations(run, lines, "--sample", "--top-k", "1", "--seed", "3")
+    assert top1 == translations(run, lines, "--beam", "1")  # top-k 1 is greedy
+    flat = translations(run, lines, "--sample", "--temperature", "5", "--seed", "1")
+    assert flat != one  # a higher temperature: other samples from the same seed
+
+
+def test_length_limits_and_penalty(run, val_lines):
+    """--max-len-a 0 --max-len-b 3: at most 2 pieces before the forced EOS; a length penalty
+    of 2 against 0 prefers longer translations."""
+    short = translations(run, val_lines, "--max-len-a", "0", "--max-len-b", "3")
+    assert all(len(pieces(run, line)) <= 2 for line in short)
+    assert any(len(pieces(run, line)) == 2 for line in short)
+    raw = translations(run, val_lines, "--length-penalty", "0", "--beam", "4")
+    long = translations(run, val_lines, "--length-penalty", "2", "--beam", "4")
+    assert raw != long
+    total = sum(len(pieces(run, line)) for line in long)
+    assert total > sum(len(pieces(run, line)) for line in raw)
+
+
+def test_no_repeat_ngram(run, val_lines):
+    plain = translations(run, val_lines, "--beam", "1")
+
+    def repeats(line: str, n: int) -> bool:
+        p = pieces(run, line)
+        grams = [tuple(p[i : i + n]) for i in range(len(p) - n + 1)]
+        return len(grams) != len(set(grams))
+
+    assert any(repeats(line, 1) for line in plain)  # the toy model repeats itself
+    blocked = translations(run, val_lines, "--beam", "1", "--no-repeat-ngram", "1")
+    assert not any(repeats(line, 1) for line in blocked)
+
+
+def test_precision_and_device(run, val_lines):
+    """--precision bf16 decodes in bf16 (other scores than fp32); --device cpu is auto's
+    choice here, and a device the machine lacks is refused in one line."""
+    stdin = "\n".join(val_lines[:10]) + "\n"
+    args = ("translate", run, "--scores", "--beam", "1")
+    fp32 = ok(nmt_cli(*args, "--precision", "fp32", stdin=stdin, env={"NMT_DEBUG": "1"}))
+    bf16 = ok(nmt_cli(*args, "--precision", "bf16", stdin=stdin, env={"NMT_DEBUG": "1"}))
+    assert "on cpu in bf16" in bf16.stderr and "on cpu in fp32" in fp32.stderr
+    assert fp32.stdout != bf16.stdout
+    cpu = ok(nmt_cli(*args, "--precision", "fp32", "--device", "cpu", stdin=stdin))
+    assert cpu.stdout == fp32.stdout
+    if not torch.cuda.is_available():
+        message = one_line_error(nmt_cli(*args, "--device", "cuda", stdin=stdin))
+        assert "device cuda asked for, but this machine has none" in message
+
+
+# -- evaluate: its options and its output ---------------------------------------------------
+
+
+def test_evaluate_translates_as_translate_does(run, split_evaluation, multi30k_dir):
+    """The hypotheses `nmt evaluate RUN --split S` writes are `nmt translate`'s output for the
+    same sources and settings; the default split is the first test split."""
+    _, hyp_file, _ = split_evaluation
+    sources = read_gz_lines(multi30k_dir / "test_2016_flickr.en.gz")
+    translated = out_lines(
+        ok(nmt_cli("translate", run, stdin="\n".join(sources) + "\n")).stdout
+    )  # the run's settings, as evaluate uses them
+    assert out_lines(hyp_file.read_text(encoding="utf-8")) == translated
+
+
+def test_evaluate_options(run, multi30k_dir, tmp_path):
+    copy = copy_run(run, tmp_path / "run")
+    written = copy / "translations" / "valid.de"
+
+    def evaluate(*options: str) -> tuple[dict, list[str]]:
+        result = ok(nmt_cli("evaluate", copy, "--split", "valid", "--json", *options))
+        return json.loads(result.stdout), out_lines(written.read_text(encoding="utf-8"))
+
+    default, recipe_beam = evaluate(*FP32)
+    assert default["n_sentences"] == 100 and "tok:13a" in default["bleu"]["signature"]
+    greedy, beam1 = evaluate("--beam", "1", *FP32)
+    assert beam1 != recipe_beam and greedy["bleu"]["score"] != default["bleu"]["score"]
+    sources = read_gz_lines(multi30k_dir / "val.en.gz")[:100]
+    stdin = "\n".join(sources) + "\n"
+    assert beam1 == out_lines(
+        ok(nmt_cli("translate", copy, "--beam", "1", *FP32, stdin=stdin)).stdout
+    )
+    _, bf16 = evaluate("--beam", "1", "--precision", "bf16")
+    assert bf16 != beam1  # bf16: other translations
+    zh, _ = evaluate("--tgt-lang", "zh", *FP32)
+    assert "tok:zh" in zh["bleu"]["signature"]
+
+
+def test_evaluate_on_sigterm_writes_its_translations_whole_or_not_at_all(run, tmp_path):
+    copy = copy_run(run, tmp_path / "run")
+    written = copy / "translations" / "test_2016_flickr.de"
+    written.parent.mkdir()
+    written.write_text("from an earlier evaluation\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nmt", "evaluate", str(copy), "--beam", "5", *FP32],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "NMT_DEBUG": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in proc.stderr:  # the debug log says when decoding starts
+        if "batch(es) on cpu" in line:
+            break
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    _, errors = proc.communicate(timeout=120)
+    assert proc.returncode == 143, errors
+    assert errors.strip().splitlines()[-1] == "terminated"
+    assert written.read_text() == "from an earlier evaluation\n"  # untouched, no half file
+    assert [p.name for p in written.parent.iterdir()] == [written.name]
+
+
+# -- average, version, default run directory ------------------------------------------------
+
+
+def test_average_explicit_checkpoints_and_mismatches(run, short_runs, tmp_path):
+    ckpts = run / "checkpoints"
+    out = tmp_path / "mean.pt"
+    ok(
+        nmt_cli(
+            "average",
+            run,
+            "--checkpoint",
+            ckpts / "step-80.pt",
+            "--checkpoint",
+            ckpts / "last.pt",
+            "--output",
+            out,
+        )
+    )
+    mean = checkpoint.load(out)["model"]
+    a = checkpoint.load(ckpts / "step-80.pt")["model"]
+    b = checkpoint.load(ckpts / "last.pt")["model"]
+    for key, value in mean.items():
+        if value.is_floating_point():
+            expected = (a[key].double() + b[key].double()) / 2  # by hand, not checkpoint.average
+            assert torch.allclose(value.double(), expected, atol=1e-7), key
+    assert "fewer than --last 5" in one_line_error(nmt_cli("average", run, "--last", "5"))
+    other = short_runs("rnn_attention") / "checkpoints" / "last.pt"
+    message = one_line_error(
+        nmt_cli(
+            "average",
+            run,
+            "--checkpoint",
+            ckpts / "last.pt",
+            "--checkpoint",
+            other,
+            "--output",
+            tmp_path / "x.pt",
+        )
+    )
+    assert "its model differs" in message and not (tmp_path / "x.pt").exists()
+
+
+def test_version_and_the_default_run_directory(tmp_path):
+    import nmt
+
+    assert ok(nmt_cli("--version")).stdout.strip() == f"nmt {nmt.__version__}"
+    recipe = REPO / "recipes" / "tiny" / "transformer.yaml"
+    ok(nmt_cli("prepare", recipe, cwd=tmp_path))
+    assert (tmp_path / "runs" / "tiny_transformer" / "config.yaml").is_file()
