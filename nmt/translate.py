@@ -226,7 +226,11 @@ def decode_batches(
     threads = max(1, torch.get_num_threads() // n_workers)
     log.debug(
         "decoding %d batch(es) on %s in %s, %d at once, %d thread(s) each",
-        len(batches), device, precision, n_workers, threads,
+        len(batches),
+        device,
+        precision,
+        n_workers,
+        threads,
     )
     with fixed_weights(model):
         return map_in_workers(run, batches, n_workers, done, stop)
