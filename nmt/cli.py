@@ -70,6 +70,8 @@ def _setup_logging(verbose: bool = False) -> None:
         handlers=[RichHandler(console=err, show_path=False, show_time=False)],
         force=True,
     )
+    # sacreBLEU logs each step of its significance tests at INFO.
+    logging.getLogger("sacrebleu").setLevel(logging.DEBUG if verbose else logging.WARNING)
     # datasets' progress bars and info logs stay quiet. Through its environment variables, read
     # when it is imported (and inherited by subprocesses; values a user set are kept): importing
     # it here took ~0.7 s of every command, which most (translate, evaluate on files) do not
@@ -83,9 +85,9 @@ def _setup_logging(verbose: bool = False) -> None:
 
 
 def default_run_dir(recipe: Path) -> Path:
-    recipe = Path(recipe)
-    parent = recipe.resolve().parent.name
-    return Path("runs") / (f"{parent}_{recipe.stem}" if parent != "recipes" else recipe.stem)
+    from nmt.run import default_run_dir as run_dir_of_recipe
+
+    return run_dir_of_recipe(recipe)
 
 
 def _version(value: bool) -> None:
@@ -211,6 +213,8 @@ class RichReporter:
             parts.append(record["step"] / self.info["total_steps"])
         if self.info.get("max_minutes"):
             parts.append(record["minutes"] / self.info["max_minutes"])
+        if self.info.get("max_tokens"):
+            parts.append(record["tokens"] / self.info["max_tokens"])
         return min(1.0, max(parts) if parts else 0.0)
 
     def log(self, record: dict) -> None:
@@ -300,7 +304,9 @@ def _decode_device(device: str):
 @app.command()
 @_sigterm_as_ctrl_c
 def translate(
-    run: Path = typer.Argument(..., help="Run directory or checkpoint file."),
+    runs: list[Path] = typer.Argument(
+        ..., help="Run directory or checkpoint file; several: their ensemble.", metavar="RUN..."
+    ),
     input: Path | None = typer.Option(None, "--input", "-i", help="Input file (default: stdin)."),
     output: Path | None = typer.Option(
         None, "--output", "-o", help="Output file (default: stdout)."
@@ -334,12 +340,13 @@ def translate(
     ),
     device: str = typer.Option("auto", "--device"),
 ) -> None:
-    """Translate lines from --input or stdin; one output line per input line."""
+    """Translate lines from --input or stdin: one line per input line (with --nbest N, N lines
+    `i ||| text ||| score` per input line). Several runs decode as an ensemble."""
     from nmt import config
     from nmt.device import resolve_precision
     from nmt.files import replacing
     from nmt.metrics import read_text_lines, text_lines
-    from nmt.translate import load_model, search_options, translate_lines
+    from nmt.translate import load_models, search_options, translate_lines
 
     if sample and ((beam or 1) > 1 or (nbest or 1) > 1):
         raise NMTError("--sample draws one translation per sentence; drop --beam and --nbest")
@@ -348,7 +355,7 @@ def translate(
     if output is not None:
         _check_output(output, input)
     dev = _decode_device(device)
-    loaded = load_model(run, dev)
+    loaded = load_models(runs, dev)
     overrides = [
         f"decode.{k}={v}"
         for k, v in {
@@ -448,7 +455,7 @@ def _attention_plot(loaded, lines: list[str], opts, dev, prec, path: Path) -> No
     att = attention_of(loaded.model, loaded.tokenizer, line, hyp.tokens, dev, prec)
     if att is None:
         raise NMTError(
-            f"the {loaded.payload['arch']} model has no attention (it reads the source through one "
+            f"the {loaded.arch} model has no attention (it reads the source through one "
             "fixed context vector); use an rnn_attention or transformer run"
         )
     attention_heatmap(att.weights, att.src_pieces, att.tgt_pieces, path, title=text)
@@ -458,7 +465,11 @@ def _attention_plot(loaded, lines: list[str], opts, dev, prec, path: Path) -> No
 @app.command()
 @_sigterm_as_ctrl_c
 def evaluate(
-    run: Path | None = typer.Argument(None, help="Run directory or checkpoint to translate with."),
+    runs: list[Path] = typer.Argument(
+        None,
+        help="Run directory or checkpoint to translate with; several: their ensemble.",
+        metavar="[RUN...]",
+    ),
     split: str | None = typer.Option(
         None, "--split", help="Prepared split to translate and score."
     ),
@@ -475,22 +486,29 @@ def evaluate(
         "--tgt-lang",
         help="Target language code: picks BLEU's tokenizer (zh, ja, ko); default: the run's.",
     ),
+    lowercase: bool = typer.Option(
+        False, "--lowercase", help="Also a lowercased BLEU, as papers report (its own signature)."
+    ),
+    tokenize: str | None = typer.Option(
+        None, "--tokenize", help="sacreBLEU tokenizer of that second BLEU (13a, intl, none, ...)."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     device: str = typer.Option("auto", "--device"),
 ) -> None:
     """Score translations with sacreBLEU (BLEU, chrF, TER): a run on a split, or files."""
     import json
 
-    from nmt.metrics import paired_bootstrap, read_text_lines, score
+    from nmt.metrics import literature_bleu, paired_bootstrap, read_text_lines, score
 
-    if run is not None:
+    runs = runs or []
+    if runs:
         from nmt.evaluate import translate_split  # torch: only to translate
 
         if hyp is not None:
             raise NMTError("give either a run directory or --hyp, not both")
         with _progress_bar() as bar:
             done = translate_split(
-                run, split, beam, precision, _decode_device(device), bar("translating")
+                runs, split, beam, precision, _decode_device(device), bar("translating")
             )
         hyps, hyp_path = done.hyps, done.path
         tgt_lang = tgt_lang or done.tgt_lang
@@ -507,7 +525,10 @@ def evaluate(
                     "hypotheses and references must be line-aligned"
                 )
         hyp_path = hyp
-    result = score(hyps, refs_list, tgt_lang)
+    literature = None
+    if lowercase or tokenize is not None:
+        literature = literature_bleu(lowercase, tokenize, tgt_lang)
+    result = score(hyps, refs_list, tgt_lang, literature)
     if compare_hyp is not None:
         other = read_text_lines(compare_hyp)
         if len(other) != len(hyps):
@@ -528,8 +549,10 @@ def evaluate(
     table = Table(title=f"{result['n_sentences']:,} sentences")
     for col in ("metric", "score", "signature"):
         table.add_column(col)
-    for name in ("bleu", "chrf", "ter"):
-        table.add_row(name.upper(), f"{result[name]['score']:.2f}", result[name]["signature"])
+    for name in ("bleu", "chrf", "ter", "bleu_literature"):
+        if name in result:
+            label = "BLEU (as papers)" if name == "bleu_literature" else name.upper()
+            table.add_row(label, f"{result[name]['score']:.2f}", result[name]["signature"])
     out.print(table)
     if "bootstrap" in result:
         bt = Table(title=f"paired bootstrap ({bootstrap_samples} samples) against {compare_hyp}")
@@ -545,6 +568,74 @@ def evaluate(
                 "" if r["chrf"]["p_value"] is None else f"{r['chrf']['p_value']:.4f}",
             )
         out.print(bt)
+
+
+@app.command()
+@_sigterm_as_ctrl_c
+def score(
+    runs: list[Path] = typer.Argument(
+        ..., help="Run directory or checkpoint; several: their ensemble.", metavar="RUN..."
+    ),
+    src: Path = typer.Option(..., "--src", help="Source sentences, one per line."),
+    tgt: Path = typer.Option(..., "--tgt", help="Their translations, line-aligned."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Default: stdout."),
+    fmt: str = typer.Option("tsv", "--format", help="tsv or jsonl."),
+    batch_tokens: int | None = typer.Option(None, "--batch-tokens", help="Tokens per batch."),
+    max_len: int = typer.Option(1024, "--max-len", help="Longer lines (tokens) are not scored."),
+    precision: str | None = typer.Option(None, "--precision", help="fp32, bf16, fp16 or auto."),
+    device: str = typer.Option("auto", "--device"),
+) -> None:
+    """Log-probability of each target line given its source (forced decoding): total, per
+    token and length-normalised, one line per input line. TSV columns: logprob, per_token,
+    normalized, tokens, status (ok, empty, too long; NA values unless ok)."""
+    import json
+
+    from nmt.device import resolve_precision
+    from nmt.files import replacing
+    from nmt.forced import score_pairs
+    from nmt.metrics import read_text_lines
+    from nmt.translate import load_models
+
+    if fmt not in ("tsv", "jsonl"):
+        raise NMTError(f"unknown --format {fmt!r}; choose tsv or jsonl")
+    if max_len < 1:
+        raise NMTError(f"--max-len must be >= 1 (got {max_len})")
+    sources, targets = read_text_lines(src), read_text_lines(tgt)
+    if len(sources) != len(targets):
+        raise NMTError(
+            f"line counts differ: {src} has {len(sources)} lines, {tgt} has {len(targets)}; "
+            "sources and targets must be line-aligned"
+        )
+    if output is not None:
+        _check_output(output, src)
+    dev = _decode_device(device)
+    loaded = load_models(runs, dev)
+    d = loaded.config.decode
+    budget = batch_tokens or d.batch_tokens
+    if budget < 16:
+        raise NMTError(f"--batch-tokens must be >= 16 (got {budget})")
+    prec = resolve_precision(precision or d.precision, dev)
+    models = [m.model for m in loaded.members] or [loaded.model]
+    scores = score_pairs(models, loaded.tokenizer, sources, targets, d, budget, dev, prec, max_len)
+
+    def cell(value) -> str:
+        return (
+            "NA" if value is None else (f"{value:.6f}" if isinstance(value, float) else str(value))
+        )
+
+    def write(sink) -> None:
+        for i, pair in enumerate(scores, 1):
+            row = pair.row()
+            if fmt == "jsonl":
+                sink.write(json.dumps({"line": i, **row}) + "\n")
+            else:
+                sink.write("\t".join(cell(v) for v in row.values()) + "\n")
+
+    if output is None:
+        write(sys.stdout)
+    else:
+        with replacing(output) as f:
+            write(f)
 
 
 @app.command()
@@ -587,15 +678,26 @@ def average(
 def compare(
     recipes: list[Path] = typer.Argument(..., help="Recipe YAML files to compare."),
     out_dir: Path = typer.Option(Path("runs/compare"), "--out", help="Report directory."),
-    budget: float | None = typer.Option(
-        None, "--budget", help="Training minutes for every recipe (overrides train.max_minutes)."
+    budget: str | None = typer.Option(
+        None,
+        "--budget",
+        help="Per run, replacing the recipes' budgets: minutes (30), steps (2000steps) or "
+        "target tokens (5Mtokens).",
     ),
+    seeds: int = typer.Option(1, "--seeds", help="Runs per recipe (train.seed, +1, ...)."),
+    ensemble: bool = typer.Option(
+        False, "--ensemble", help="Also ensembles: of all systems, and of each system's seeds."
+    ),
+    lowercase: bool = typer.Option(False, "--lowercase", help="Also a lowercased BLEU."),
+    tokenize: str | None = typer.Option(None, "--tokenize", help="Its sacreBLEU tokenizer."),
     sets: list[str] = typer.Option([], "--set", help=SET_HELP + " Applies to every recipe."),
     bootstrap_samples: int = typer.Option(1000, "--bootstrap-samples"),
 ) -> None:
     """Train (or reuse) each recipe, evaluate all on the same test sets, write report + plots."""
     from nmt.compare import compare as run_compare
+    from nmt.compare import parse_budget
 
+    parse_budget(budget)
     for recipe in recipes:
         _load_config(recipe, sets)  # fail fast on a bad recipe before any training
     report = run_compare(
@@ -606,35 +708,53 @@ def compare(
         reporter_factory=functools.partial(RichReporter, data_table=False),
         say=lambda text: err.print(f"[bold cyan]{text}[/]"),
         bootstrap_samples=bootstrap_samples,
+        seeds=seeds,
+        ensemble=ensemble,
+        lowercase=lowercase,
+        tokenize=tokenize,
     )
     for split in report["splits"]:
         table = Table(title=f"{split} (report: {out_dir / 'report.md'})")
         for col in (
             "system",
             "params",
+            "seeds",
             "train min",
             "steps",
             "tok/s",
-            "valid BLEU",
-            "BLEU [95% CI]",
-            "p",
+            "BLEU",
+            "vs best",
             "chrF",
             "sent/s",
         ):
             table.add_column(col, justify="left" if col == "system" else "right")
         for r in report["systems"]:
             t = r["test"][split]
-            b = t["bleu"]
+            b, n = t["bleu"], len(r["runs"])
+            system = r["kind"] == "system"
+            bleu = f"{b['mean']:.1f} ± {b['sd']:.1f}" if n > 1 else f"{b['score']:.1f}"
+            if n == 1 and "ci_low" in b:
+                bleu += f" [{b['ci_low']:.1f}, {b['ci_high']:.1f}]"
+            vs = b.get("vs_best")
+            versus = (
+                "best"
+                if t["best"]
+                else (
+                    f"{vs['significant']}/{vs['pairs']} sig."
+                    if vs and vs["pairs"] > 1
+                    else f"p={b['p_value_vs_best']:.3f}"
+                )
+            )
             table.add_row(
                 f"{r['name']} ({r['arch']})",
                 f"{r['params']:,}",
-                f"{r['train_minutes']:.1f}",
-                f"{r['steps']:,}",
-                f"{r['train_tokens_per_s']:,.0f}",
-                "–" if r["best_valid_bleu"] is None else f"{r['best_valid_bleu']:.1f}",
-                f"{b['score']:.1f} [{b['ci_low']:.1f}, {b['ci_high']:.1f}]",
-                "best" if t["best"] else f"{b['p_value_vs_best']:.3f}",
-                f"{t['chrf']['score']:.1f}",
+                str(n) if system else "–",
+                f"{r['train_minutes']:.1f}" if system else "–",
+                f"{r['steps']:,.0f}" if system else "–",
+                f"{r['train_tokens_per_s']:,.0f}" if system else "–",
+                bleu,
+                versus,
+                f"{t['chrf']['mean']:.1f}",
                 f"{r['decode_sentences_per_s']:.1f}",
             )
         out.print(table)

@@ -135,6 +135,7 @@ class TrainConfig:
     max_steps: int | None = None
     max_epochs: int | None = None
     max_minutes: float | None = None
+    max_tokens: int | None = None  # target tokens trained on (all processes)
     log_every: int = 50
     valid_every: int = 1000  # steps; validation also runs at the end of training
     valid_bleu: bool = True  # decode the validation split and score BLEU/chrF
@@ -162,10 +163,12 @@ class TrainConfig:
         _check(self.lr > 0, "train.lr", "must be > 0")
         _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing", "must be in [0, 1)")
         _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        budgets = (self.max_steps, self.max_epochs, self.max_minutes, self.max_tokens)
         _check(
-            any(x is not None for x in (self.max_steps, self.max_epochs, self.max_minutes)),
+            any(x is not None for x in budgets),
             "train.max_steps",
-            "set at least one budget: train.max_steps, train.max_epochs or train.max_minutes",
+            "set at least one budget: train.max_steps, train.max_epochs, train.max_minutes or "
+            "train.max_tokens",
         )
         _check(
             self.schedule != "cosine" or self.max_steps is not None or self.max_epochs is not None,
@@ -173,7 +176,14 @@ class TrainConfig:
             "cosine decays to train.min_lr at the last step, so it needs train.max_steps or "
             "train.max_epochs (train.max_minutes alone does not say when that step comes)",
         )
-        for key in ("max_steps", "max_epochs", "log_every", "valid_every", "save_every"):
+        for key in (
+            "max_steps",
+            "max_epochs",
+            "max_tokens",
+            "log_every",
+            "valid_every",
+            "save_every",
+        ):
             value = getattr(self, key)
             _check(value is None or value > 0, f"train.{key}", "must be a positive integer")
         _check(self.max_minutes is None or self.max_minutes > 0, "train.max_minutes", "must be > 0")
@@ -378,7 +388,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
     for name, cls in SECTIONS.items():
         values = raw.get(name) or {}
         if name == "train" and not any(
-            k in values for k in ("max_steps", "max_epochs", "max_minutes")
+            k in values for k in ("max_steps", "max_epochs", "max_minutes", "max_tokens")
         ):
             values = {**values, "max_steps": 1000}
         sections[name] = build_section(cls, values, name)

@@ -4,6 +4,7 @@ translations in the run (RUN/translations/S.LANG, written whole or not at all). 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from nmt.data.prepare import prepare
 from nmt.device import resolve_precision
 from nmt.files import write_lines
 from nmt.run import RunDir
-from nmt.translate import load_model, translate_texts
+from nmt.translate import load_models, translate_texts
 
 
 @dataclass
@@ -32,7 +33,7 @@ def default_test_split(splits: list[str]) -> str:
 
 
 def translate_split(
-    run: Path,
+    runs: list[Path],
     split: str | None,
     beam: int | None,
     precision: str | None,
@@ -40,9 +41,10 @@ def translate_split(
     progress: Callable[[int], Callable[[int], None]] | None = None,
 ) -> SplitTranslation:
     """Translate prepared split `split` (default: `default_test_split`) with the model of a
-    run directory or checkpoint, its decode settings (`beam` and `precision` overriding
-    them). `progress(total)` returns the function told each finished batch's size."""
-    loaded = load_model(run, device)
+    run directory or checkpoint (several: their ensemble, written as SPLIT.ensemble-HASH.LANG
+    in the first run), its decode settings (`beam` and `precision` overriding them).
+    `progress(total)` returns the function told each finished batch's size."""
+    loaded = load_models(runs, device)
     cfg = loaded.config
     prepared = prepare(cfg)
     name = split or default_test_split(list(prepared.summary["splits"]))
@@ -53,6 +55,10 @@ def translate_split(
     hyps = translate_texts(
         loaded.model, loaded.tokenizer, sources, cfg.decode, device, prec, beam, progress=tick
     )
-    path = RunDir(loaded.run_dir).translation_file(name, cfg.data.tgt)
+    tag = ""
+    if loaded.members:
+        members = "\n".join(str(m.checkpoint.resolve()) for m in loaded.members)
+        tag = "ensemble-" + hashlib.sha256(members.encode()).hexdigest()[:8]
+    path = RunDir(loaded.run_dir).translation_file(name, cfg.data.tgt, tag)
     write_lines(path, hyps)
     return SplitTranslation(hyps, data.texts("tgt"), path, cfg.data.tgt, name)

@@ -23,9 +23,32 @@ def bleu_metric(tgt_lang: str | None = None) -> sacrebleu.BLEU:
         ) from None
 
 
-def score(hyps: list[str], refs: list[list[str]], tgt_lang: str | None = None) -> dict[str, Any]:
+TOKENIZERS = ("13a", "intl", "none", "char", "zh", "ja-mecab", "ko-mecab", "flores101", "flores200")
+
+
+def literature_bleu(lowercase: bool, tokenize: str | None, tgt_lang: str | None) -> sacrebleu.BLEU:
+    """The BLEU that papers report (Multi30k: lowercased, tokenized), as a second metric beside
+    sacreBLEU's default: `lowercase`, and `tokenize` one of sacreBLEU's tokenizers (default:
+    the one it prescribes for `tgt_lang`). Its signature says both."""
+    if tokenize is not None and tokenize not in TOKENIZERS:
+        raise NMTError(f"unknown --tokenize {tokenize!r}; choose one of {', '.join(TOKENIZERS)}")
+    try:
+        return sacrebleu.BLEU(lowercase=lowercase, tokenize=tokenize, trg_lang=tgt_lang or "")
+    except RuntimeError:
+        raise NMTError(
+            f"BLEU with tokenize={tokenize} needs sacreBLEU's extras: pip install 'sacrebleu[ja,ko]'"
+        ) from None
+
+
+def score(
+    hyps: list[str],
+    refs: list[list[str]],
+    tgt_lang: str | None = None,
+    literature: sacrebleu.BLEU | None = None,
+) -> dict[str, Any]:
     """BLEU, chrF and TER with their sacreBLEU signatures. refs: one list per reference set;
-    tgt_lang (an ISO code) picks BLEU's tokenizer."""
+    tgt_lang (an ISO code) picks BLEU's tokenizer. With `literature` (`literature_bleu`), also
+    that BLEU, under its own key and signature ("bleu_literature"), never mixed with "bleu"."""
     for k, ref in enumerate(refs):
         if len(ref) != len(hyps):
             raise NMTError(
@@ -34,11 +57,14 @@ def score(hyps: list[str], refs: list[list[str]], tgt_lang: str | None = None) -
     if not hyps:
         raise NMTError("nothing to score: the hypotheses (and references) have no lines")
     out: dict[str, Any] = {"n_sentences": len(hyps)}
-    for name, metric in (
+    metrics = [
         ("bleu", bleu_metric(tgt_lang)),
         ("chrf", sacrebleu.CHRF()),
         ("ter", sacrebleu.TER()),
-    ):
+    ]
+    if literature is not None:
+        metrics.append(("bleu_literature", literature))
+    for name, metric in metrics:
         result = metric.corpus_score(hyps, refs)
         out[name] = {"score": float(result.score), "signature": str(metric.get_signature())}
     return out

@@ -74,6 +74,50 @@ def curves(
     return drawn
 
 
+def band_curves(
+    series: dict[str, list[list[tuple[float, float]]]],
+    xlabel: str,
+    ylabel: str,
+    path: Path,
+    title: str = "",
+) -> dict[str, Any]:
+    """One line per system over its runs (seeds): series[name] = one [(x, y), ...] per run.
+    With several runs, the line is their mean at the x values all runs share (the mean x
+    when x differs, as wall-clock minutes do at a step) and a band spans their min and max.
+    Returns {"series": {label: points drawn}, "bands": [labels with a band]}."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    bands = []
+    for name, runs in series.items():
+        runs = [r for r in runs if r]
+        if not runs:
+            continue
+        if len(runs) == 1:
+            xs, ys = zip(*runs[0])
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=name)
+            continue
+        n = min(len(r) for r in runs)  # the points every run has (same schedule of records)
+        xs = np.mean([[x for x, _ in r[:n]] for r in runs], axis=0)
+        ys = np.array([[y for _, y in r[:n]] for r in runs])
+        (line,) = ax.plot(xs, ys.mean(0), marker="o" if n < 30 else None, markersize=3, label=name)
+        ax.fill_between(xs, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
+        bands.append(name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if ax.get_lines():
+        ax.legend()
+    drawn = {
+        "series": {line.get_label(): len(line.get_xdata()) for line in ax.get_lines()},
+        "bands": [b for b in bands if len(ax.collections)],
+    }
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+    return drawn
+
+
 def grouped_bars(
     groups: list[str],
     values: dict[str, list[float]],

@@ -76,7 +76,7 @@ class TrainProgress:
 
 def spent_budget(progress: TrainProgress, t: TrainConfig, out_of_time: bool | None = None) -> str:
     """Why a run cannot train further under the budgets of `t` ('' when it can): the first of
-    train.max_steps, max_epochs, max_minutes reached, or early stopping that the patience of
+    train.max_steps, max_epochs, max_tokens, max_minutes reached, or early stopping that the patience of
     `t` confirms. `out_of_time` overrides the clock test (ranks agree on it: `nmt.train`)."""
     if out_of_time is None:
         out_of_time = t.max_minutes is not None and progress.seconds >= t.max_minutes * 60
@@ -84,6 +84,8 @@ def spent_budget(progress: TrainProgress, t: TrainConfig, out_of_time: bool | No
         return f"reached train.max_steps={t.max_steps}"
     if t.max_epochs is not None and progress.epoch >= t.max_epochs:
         return f"reached train.max_epochs={t.max_epochs}"
+    if t.max_tokens is not None and progress.tokens >= t.max_tokens:
+        return f"reached train.max_tokens={t.max_tokens}"
     if out_of_time:
         return f"reached train.max_minutes={t.max_minutes}"
     stopped = progress.finished.startswith("early stopping")
@@ -152,8 +154,9 @@ class RunDir:
     def tensorboard_dir(self) -> Path:
         return self.path / "tensorboard"
 
-    def translation_file(self, split: str, lang: str) -> Path:
-        return self.path / "translations" / f"{split}.{lang}"
+    def translation_file(self, split: str, lang: str, tag: str = "") -> Path:
+        """translations/SPLIT.LANG, or SPLIT.TAG.LANG (an ensemble's translations)."""
+        return self.path / "translations" / (f"{split}.{tag}.{lang}" if tag else f"{split}.{lang}")
 
     @property
     def lock_file(self) -> Path:
@@ -321,6 +324,7 @@ RESUMABLE = (
     "train.max_steps",
     "train.max_epochs",
     "train.max_minutes",
+    "train.max_tokens",
     "train.log_every",
     "train.valid_every",
     "train.save_every",
@@ -345,6 +349,13 @@ def _flatten(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+def default_run_dir(recipe: Path) -> Path:
+    """Where `nmt train RECIPE` trains without --run-dir: runs/<recipe folder>_<recipe name>."""
+    recipe = Path(recipe)
+    parent = recipe.resolve().parent.name
+    return Path("runs") / (f"{parent}_{recipe.stem}" if parent != "recipes" else recipe.stem)
 
 
 def step_of(path: Path) -> int:

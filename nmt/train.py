@@ -331,6 +331,7 @@ class LogWindow:
             "grad_norm": grad_norm,
             "tokens_per_s": self.tokens / max(now - self.opened, 1e-9),
             "minutes": progress.seconds / 60,
+            "tokens": progress.tokens,
             "skipped": progress.skipped_steps,
             "step_seconds": self.step_seconds,
         }
@@ -822,6 +823,7 @@ def start_info(
         "steps_per_epoch": math.ceil(len(batches.epoch(0)) / cfg.train.accumulate),
         "total_steps": total_steps,
         "max_minutes": cfg.train.max_minutes,
+        "max_tokens": cfg.train.max_tokens,
         "resumed_from": progress.step if resumed is not None else None,
         "padding": batches.padding_fraction(progress.epoch),
     }

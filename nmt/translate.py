@@ -9,7 +9,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from nmt.data.batching import pack
 from nmt.data.tokenizer import Tokenizer
 from nmt.device import autocast, configure_device
 from nmt.models.base import Vocab, fixed_weights
+from nmt.models.ensemble import Ensemble
 from nmt.models.registry import build_model
 from nmt.run import RunDir
 from nmt.search import Hypothesis, SearchOptions, force_decode, search
@@ -33,12 +34,17 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Loaded:
-    model: torch.nn.Module
+    model: torch.nn.Module  # an `Ensemble` of the members' models when there are several
     config: Config
     tokenizer: Tokenizer
     run_dir: Path
     checkpoint: Path
     payload: dict[str, Any]
+    members: list[Loaded] = field(default_factory=list)  # an ensemble's runs, in order
+
+    @property
+    def arch(self) -> str:
+        return "+".join(m.payload["arch"] for m in self.members) or self.payload["arch"]
 
 
 def checkpoint_of(path: Path) -> Path:
@@ -77,6 +83,49 @@ def load_model(path: Path, device: torch.device) -> Loaded:
     model.to(device).eval()
     run_dir = RunDir.tokenizer_of(ckpt, payload.get("run_dir")).parent
     return Loaded(model, cfg, tokenizer, run_dir, ckpt, payload)
+
+
+def load_models(paths: list[Path], device: torch.device) -> Loaded:
+    """One run's model, or for several runs an `Ensemble` of theirs (the mean of their
+    log-probabilities at each step), with the first run's config, decode settings and
+    tokenizer. Ensembled runs must share the tokenizer and the languages: a difference is
+    refused, named."""
+    loaded = [load_model(p, device) for p in paths]
+    if len(loaded) == 1:
+        return loaded[0]
+    first = loaded[0]
+    for path, other in zip(paths[1:], loaded[1:]):
+        why = tokenizer_difference(first, other)
+        if why:
+            raise NMTError(
+                f"cannot ensemble {path} with {paths[0]}: {why}; ensembled runs need one tokenizer"
+            )
+    ensemble = Ensemble([m.model for m in loaded]).to(device).eval()
+    return Loaded(
+        ensemble,
+        first.config,
+        first.tokenizer,
+        first.run_dir,
+        first.checkpoint,
+        first.payload,
+        loaded,
+    )
+
+
+def tokenizer_difference(a: Loaded, b: Loaded) -> str:
+    """How two runs' vocabularies differ ('' when they are one)."""
+    da, db = a.config.data, b.config.data
+    if (da.src, da.tgt) != (db.src, db.tgt):
+        return f"it translates {db.src}->{db.tgt}, not {da.src}->{da.tgt}"
+    if a.tokenizer.joint != b.tokenizer.joint:
+        kinds = {True: "a joint", False: "separate"}
+        return f"it has {kinds[b.tokenizer.joint]} vocabulary, not {kinds[a.tokenizer.joint]} one"
+    va, vb = a.payload["vocab"], b.payload["vocab"]
+    if (va["src_size"], va["tgt_size"]) != (vb["src_size"], vb["tgt_size"]):
+        return f"its vocabulary has {vb['tgt_size']:,} pieces, not {va['tgt_size']:,}"
+    if any(x.read_bytes() != y.read_bytes() for x, y in zip(a.tokenizer.files, b.tokenizer.files)):
+        return "its sentencepiece model has other pieces (another tokenizer training)"
+    return ""
 
 
 def search_options(

