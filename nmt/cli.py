@@ -648,8 +648,15 @@ def average(
     output: Path | None = typer.Option(
         None, "--output", help="Default: RUN/checkpoints/averaged.pt"
     ),
+    promote: bool = typer.Option(
+        True,
+        "--promote/--no-promote",
+        help="Validate the average; make it the run's best.pt when it beats the best.",
+    ),
+    device: str = typer.Option("auto", "--device"),
 ) -> None:
-    """Average model parameters of several checkpoints into one."""
+    """Average the weights of several checkpoints, validate the average, and make it the
+    run's model (best.pt) when it beats the run's best validation score."""
     from nmt import checkpoint
     from nmt.run import RunDir
 
@@ -667,11 +674,26 @@ def average(
     target = output or runs.checkpoint("averaged")
     if target.is_dir():
         raise NMTError(f"--output {target} is a directory; give a file name")
+    dev = _decode_device(device)
     with runs.writer():  # no training may write the run meanwhile
         averaged = checkpoint.average(paths)
         averaged["run_dir"] = averaged.get("run_dir") or str(RunDir.of_checkpoint(paths[-1]).path)
+        averaged["averaged"] = sorted(checkpoint.load(p)["progress"]["step"] for p in paths)
         checkpoint.save(averaged, target)
-    err.print(f"averaged {len(paths)} checkpoints into {target}")
+        err.print(f"averaged {len(paths)} checkpoints into {target}")
+        if not promote or not runs.checkpoint("last").is_file():
+            return
+        from nmt.train import validate_average
+
+        with err.status("validating the average..."):
+            record, promoted = validate_average(runs, averaged, dev)
+        scores = ", ".join(f"{k} {record[k]:.2f}" for k in ("loss", "bleu", "chrf") if k in record)
+        if promoted:
+            err.print(
+                f"validation: {scores}; better than the run's best: it is now {runs.checkpoint('best')}"
+            )
+        else:
+            err.print(f"validation: {scores}; {runs.model_checkpoint()} stays the run's model")
 
 
 @app.command()

@@ -624,6 +624,41 @@ def average_last_saves(
     s.saver.save("last", s.saver.payload(trainee, progress, rngs), progress.step)
 
 
+def validate_average(
+    run: RunDir, averaged: dict[str, Any], device: torch.device
+) -> tuple[dict[str, Any], bool]:
+    """`nmt average`: validate averaged weights as training validates a checkpoint (the
+    run's config, validation split and precision). When they beat the run's best validation
+    (train.early_stop_metric), they become best.pt, and the record joins the
+    run's history (last.pt, metrics.jsonl), as `train.average_last` does at the end of a run.
+    Returns the record and whether the average was promoted. The caller holds the lock."""
+    from nmt.config import from_dict
+
+    cfg = from_dict(averaged["config"])
+    prepared = prepare(cfg)
+    model = build_model(averaged["arch"], cfg.model, Vocab(**averaged["vocab"])).to(device)
+    model.load_state_dict(averaged["model"])
+    precision = resolve_precision(cfg.train.precision, device)
+    record = validate(model, prepared, prepared.split("valid"), cfg, device, precision)
+    last = checkpoint.load(run.checkpoint("last"))
+    progress = TrainProgress.from_dict(last["progress"])
+    record.update({"kind": "valid", "step": progress.step, "epoch": progress.epoch})
+    record.update({"minutes": progress.seconds / 60, "tokens": progress.tokens})
+    record["averaged"] = averaged["averaged"]
+    metric = early_stop_metric(cfg.train)
+    record["best"] = better(metric, record[metric], progress.best_value)
+    if not record["best"]:
+        return record, False
+    progress.best_value, progress.best_step = record[metric], progress.step
+    progress.history.append(record)
+    checkpoint.save({**averaged, "progress": progress.to_dict()}, run.checkpoint("best"))
+    checkpoint.save({**last, "progress": progress.to_dict()}, run.checkpoint("last"))
+    with RunLog(run, None, cfg.train.tensorboard) as runlog:
+        runlog.record(record)
+        runlog.info("validation: %s", json.dumps(record))
+    return record, True
+
+
 def train(
     cfg: Config,
     run_dir: Path,

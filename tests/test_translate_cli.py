@@ -477,7 +477,7 @@ def test_checkpoint_needing_code_is_refused(run, tmp_path, kind):
 
 
 def test_average_last_checkpoints(run, english, tmp_path):
-    ok(nmt_cli("average", run, "--last", "2"))
+    ok(nmt_cli("average", run, "--last", "2", "--no-promote"))  # the shared run's best.pt stays
     ckpt_dir = run / "checkpoints"
     averaged = torch.load(ckpt_dir / "averaged.pt", map_location="cpu", weights_only=True)
     steps = [
@@ -514,7 +514,7 @@ def test_average_last_checkpoints(run, english, tmp_path):
 
     # Written outside the run, the average still finds the run's tokenizer.
     elsewhere = tmp_path / "elsewhere" / "avg.pt"
-    ok(nmt_cli("average", run, "--last", "2", "--output", elsewhere))
+    ok(nmt_cli("average", run, "--last", "2", "--output", elsewhere, "--no-promote"))
     moved = ok(nmt_cli("translate", elsewhere, "--input", src, *FP32))
     assert moved.stdout == result.stdout
 
@@ -981,6 +981,7 @@ def test_average_explicit_checkpoints_and_mismatches(run, short_runs, tmp_path):
             ckpts / "last.pt",
             "--output",
             out,
+            "--no-promote",
         )
     )
     mean = checkpoint.load(out)["model"]
@@ -1014,3 +1015,26 @@ def test_version_and_the_default_run_directory(tmp_path):
     recipe = REPO / "recipes" / "tiny" / "transformer.yaml"
     ok(nmt_cli("prepare", recipe, cwd=tmp_path))
     assert (tmp_path / "runs" / "tiny_transformer" / "config.yaml").is_file()
+
+
+def test_average_becomes_the_runs_model_when_it_validates_better(run, tmp_path):
+    """nmt average validates the average as training validates a checkpoint; when it beats
+    the run's best score it becomes best.pt (what `nmt translate RUN` loads), its record in
+    the run's history; when it does not, best.pt stays."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("translations"))
+    best = copy / "checkpoints" / "best.pt"
+    before = best.read_bytes()
+    same = ok(nmt_cli("average", copy, "--checkpoint", best, "--checkpoint", best))
+    assert "stays the run's model" in same.stderr and best.read_bytes() == before  # not better
+    last = copy / "checkpoints" / "last.pt"
+    payload = checkpoint.load(last)
+    payload["progress"]["best_value"] = -1.0  # any validation beats this recorded best
+    checkpoint.save(payload, last)
+    promoted = ok(nmt_cli("average", copy, "--last", "2"))
+    assert "it is now" in promoted.stderr
+    model = checkpoint.load(best)
+    assert model["averaged"] == [80, 120] and model["progress"]["best_value"] > -1
+    records = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["averaged"] == [80, 120] and records[-1]["best"] is True
+    assert checkpoint.load(last)["progress"]["history"][-1]["averaged"] == [80, 120]
