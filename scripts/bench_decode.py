@@ -49,7 +49,7 @@ What is measured
     with time.perf_counter; sentences/s of the median pass (min and max in the JSON).
 
 Commands:
-  NMT_DATA_DIR=../shared/data NMT_CACHE_DIR=/tmp/nmtcache \\
+  NMT_DATA_DIR=../shared/data \\
       python scripts/bench_decode.py --json runs/bench_decode.json
   # trained runs, free decoding and fixed length:
   ... scripts/bench_decode.py --run runs/multi30k_transformer --run runs/multi30k_rnn_attention

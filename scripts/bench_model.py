@@ -27,7 +27,7 @@ What is measured
     same optimizer, clipping and autocast; the ratio ours/HF is printed per precision.
 
 Commands (set torch to 2 threads; needs the prepared Multi30k data):
-  NMT_DATA_DIR=../shared/data NMT_CACHE_DIR=/tmp/nmtcache \\
+  NMT_DATA_DIR=../shared/data \\
       python scripts/bench_model.py --json runs/bench_model.json
   # smoke test (a few seconds; small batches, numbers not meaningful):
   ... scripts/bench_model.py --quick

@@ -6,6 +6,8 @@
 #
 #   NMT_DATA_DIR=../shared/data bash scripts/bench_quality.sh            # 30 minutes each
 #   NMT_DATA_DIR=../shared/data bash scripts/bench_quality.sh 15 runs/q15 # budget, output dir
+#   NMT_DATA_DIR=../shared/data bash scripts/bench_quality.sh 30 runs/q30 --ensemble --seeds 3
+#     (further arguments go to nmt compare: ensembles, seeds, --lowercase --tokenize intl)
 #
 # It saturates every core for about 3 x BUDGET minutes plus decoding; a second invocation
 # with the same settings reuses the finished runs and only re-evaluates.
@@ -14,7 +16,7 @@ budget=${1:-30}
 out=${2:-runs/bench_quality_${budget}min}
 cd "$(dirname "$0")/.."
 nmt compare recipes/multi30k/seq2seq.yaml recipes/multi30k/rnn_attention.yaml \
-    recipes/multi30k/transformer.yaml --budget "$budget" --out "$out"
+    recipes/multi30k/transformer.yaml --budget "$budget" --out "$out" "${@:3}"
 python3 - "$out/report.json" "$budget" <<'PY'
 import json, sys
 report = json.load(open(sys.argv[1]))
@@ -23,11 +25,13 @@ print(f"\nbudget: {sys.argv[2]} minutes per system")
 print(f"{'system':<15}{'steps':>8}{'tok/s':>9}" + "".join(f"{s:>22}" for s in report["splits"]) + f"{'target':>10}  verdict")
 for s in report["systems"]:
     bleu = s["test"]["test_2016_flickr"]["bleu"]["score"]
-    target = targets.get(s["arch"])
+    target = targets.get(s["arch"]) if s["kind"] == "system" else None
     verdict = "" if target is None else ("met" if bleu >= target else f"missed by {target - bleu:.1f}")
     cells = "".join(
-        f"{s['test'][sp]['bleu']['score']:>8.2f} [{s['test'][sp]['bleu']['ci_low']:.1f},{s['test'][sp]['bleu']['ci_high']:.1f}]"
+        f"{s['test'][sp]['bleu']['mean']:>8.2f} [{s['test'][sp]['bleu'].get('ci_low', s['test'][sp]['bleu']['min']):.1f},{s['test'][sp]['bleu'].get('ci_high', s['test'][sp]['bleu']['max']):.1f}]"
         for sp in report["splits"]
     )
-    print(f"{s['name']:<15}{s['steps']:>8}{s['train_tokens_per_s']:>9.0f}{cells}{target or '':>10}  {verdict}")
+    steps = "" if s["steps"] is None else f"{s['steps']:.0f}"
+    speed = "" if s["train_tokens_per_s"] is None else f"{s['train_tokens_per_s']:.0f}"
+    print(f"{s['name']:<15}{steps:>8}{speed:>9}{cells}{target or '':>10}  {verdict}")
 PY

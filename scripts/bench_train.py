@@ -30,7 +30,7 @@ Overhead (method: the trainer's own step timer)
   cross-check is noisier (two separate runs on shared cores).
 
 Commands (needs the prepared Multi30k data):
-  NMT_DATA_DIR=../shared/data NMT_CACHE_DIR=/tmp/nmtcache \\
+  NMT_DATA_DIR=../shared/data \\
       python scripts/bench_train.py --steps 60 --json runs/bench_train.json
   # smoke test (a few seconds per run; tiny batches, numbers not meaningful):
   ... scripts/bench_train.py --quick
