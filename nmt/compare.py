@@ -9,7 +9,6 @@ p-values against the best system.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -66,8 +65,7 @@ def plan(recipes: list[Path], out: Path, sets: list[str], budget: float | None) 
         while name in names:  # still taken: number it
             name, k = f"{base}-{k}", k + 1
         names.add(name)
-        digest = hashlib.sha256(cfg.to_yaml().encode()).hexdigest()[:8]
-        systems.append(System(name, Path(recipe), cfg, out / "runs" / f"{name}-{digest}"))
+        systems.append(System(name, Path(recipe), cfg, out / "runs" / f"{name}-{cfg.digest()}"))
     decode = systems[0].cfg.decode
     for s in systems[1:]:  # one decoding setup for every system
         s.cfg = config.Config(s.cfg.data, s.cfg.tokenizer, s.cfg.model, s.cfg.train, decode)

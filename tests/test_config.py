@@ -149,6 +149,7 @@ def test_wrong_type_names_the_key(raw, fragments):
         (TokenizerConfig, "tokenizer", "type", "wordpiece"),
         (DataConfig, "data", "source", "csv"),
         (DecodeConfig, "decode", "precision", "fp8"),
+        (DecodeConfig, "decode", "length_norm", "average"),
     ],
 )
 def test_literal_value_outside_choices_lists_every_valid_choice(cls, section, key, bad):
@@ -473,3 +474,31 @@ def test_data_key_changes_with_data_and_tokenizer_settings(override):
 )
 def test_data_key_ignores_settings_that_do_not_change_the_prepared_data(override):
     assert key_with(override) == key_with()
+
+
+def test_length_norm_defaults_to_gnmt_and_reaches_the_search():
+    from nmt.translate import search_options
+
+    cfg = from_dict({})
+    assert cfg.decode.length_norm == "gnmt"
+    plain = config.replace(cfg, ["decode.length_norm=plain"]).decode
+    assert search_options(plain).length_norm == "plain"
+    assert search_options(cfg.decode).length_norm == "gnmt"
+
+
+def test_the_config_digest_names_a_config_as_before_the_length_norm_option():
+    """`nmt compare` names run folders by `Config.digest`: a config at the default length_norm
+    keeps the digest it had before the option existed (the hash of its YAML without the key),
+    so compare reuses runs made by earlier versions; another value changes it."""
+    import hashlib
+
+    import yaml
+
+    cfg = from_dict(BASE)
+    before = cfg.to_dict()
+    del before["decode"]["length_norm"]
+    text = yaml.safe_dump(before, sort_keys=False, allow_unicode=True)
+    assert cfg.digest() == hashlib.sha256(text.encode()).hexdigest()[:8]
+    assert config.replace(cfg, ["decode.length_norm=plain"]).digest() != cfg.digest()
+    assert config.replace(cfg, ["decode.beam=2"]).digest() != cfg.digest()
+    assert re.fullmatch(r"[0-9a-f]{8}", cfg.digest())
