@@ -8,6 +8,8 @@
       train.log          the same in words, with the resolved config
       tensorboard/       event files, with train.tensorboard
       translations/      `nmt evaluate RUN --split S` writes S.LANG here
+      exports/           ctranslate2-QUANTIZATION/: the model exported for `--engine ctranslate2`
+                         (`nmt.export`), with the stamp of the checkpoint it was made from
       .lock              the writer lock (see `RunDir.writer`)
 
 A run is in one of four states (`RunDir.state`): empty, configured (config and tokenizer, no
@@ -154,6 +156,10 @@ class RunDir:
 
     def translation_file(self, split: str, lang: str) -> Path:
         return self.path / "translations" / f"{split}.{lang}"
+
+    def export_dir(self, name: str) -> Path:
+        """exports/NAME: an export of the run's model kept for decoding (`nmt.export`)."""
+        return self.path / "exports" / name
 
     @property
     def lock_file(self) -> Path:
