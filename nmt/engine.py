@@ -44,7 +44,7 @@ from nmt.data.tokenizer import Tokenizer
 from nmt.device import resolve_precision
 from nmt.search import Hypothesis, SearchOptions, length_limits, length_penalty
 from nmt.special import EOS_ID
-from nmt.translate import load_model, translate_lines
+from nmt.translate import decode_workers, load_model, translate_lines
 
 ENGINES = ("nmt", "ctranslate2")
 
@@ -136,10 +136,11 @@ class CT2Engine:
         self._translators: dict[int, Any] = {}
 
     def translator(self, workers: int, fresh: bool = False):
-        """A `ctranslate2.Translator` decoding `workers` batches at once (0: 1), the intra-op
-        threads of torch split between them as nmt's workers split them; kept for the next
-        call unless `fresh`."""
-        workers = max(1, workers)
+        """A `ctranslate2.Translator` decoding `workers` batches at once, torch's intra-op
+        threads split between them (0: as nmt decides, `nmt.translate.decode_workers`: 2
+        workers of 1 thread on 2 threads; CTranslate2's OpenMP threads also lose most to
+        waiting when a batch's work is split finer); kept for the next call unless `fresh`."""
+        workers = decode_workers(workers, torch.device(self.device), batches=1 << 30)
         if fresh or workers not in self._translators:
             translator = self.ctranslate2.Translator(
                 str(self.model_dir),

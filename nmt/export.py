@@ -512,8 +512,8 @@ def _marian_model(source: Source):
         decoder_start_token_id=BOS_ID,
         forced_eos_token_id=None,
     )
-    torch.manual_seed(0)  # every weight is overwritten below; the seed keeps init quiet and fixed
-    hf = MarianMTModel(config).eval()
+    with torch.random.fork_rng():  # its random init (overwritten below) leaves the caller's RNG
+        hf = MarianMTModel(config).eval()
 
     def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.shape != src.shape:
