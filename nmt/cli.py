@@ -606,7 +606,7 @@ def export(
         if quantization is not None:
             raise NMTError("--quantization applies to --format ctranslate2 (hf writes float32)")
         source = export_hf(run, out, force)
-        how = f'MarianMTModel.from_pretrained("{out}") or pipeline("translation", model="{out}")'
+        how = f'MarianMTModel.from_pretrained("{out}") (see {out / "README.md"})'
     else:
         raise NMTError(f"unknown --format {fmt!r}; choose one of: {', '.join(FORMATS)}")
     err.print(f"exported {source.checkpoint} to {out}; load it with {how}")

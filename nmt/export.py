@@ -624,9 +624,13 @@ model = MarianMTModel.from_pretrained(".")
 batch = tokenizer(["A man is riding a bicycle down the street."], return_tensors="pt")
 print(tokenizer.batch_decode(model.generate(**batch), skip_special_tokens=True))
 
-translate = pipeline("translation", model=".")
+translate = pipeline("translation", model=".")  # transformers 4.x (5 removed this pipeline)
 print(translate("A man is riding a bicycle down the street.")[0]["translation_text"])
 ```
+
+Beam search as exported (generation_config.json) divides a hypothesis' log-probability by its
+length ** length_penalty (EOS counted), as nmt's `--length-norm plain`; nmt also limits each
+translation to a * |x| + b tokens, where `generate` takes one max_new_tokens.
 """
 
 
