@@ -101,7 +101,7 @@ class Source:
     config: Config
     tokenizer: Tokenizer
     run_dir: Path
-    stamp: dict[str, Any]  # the checkpoint file read: path, size, mtime_ns
+    stamp: dict[str, Any]  # the checkpoint file read (`checkpoint_stamp`)
 
 
 def checkpoint_stamp(path: Path) -> dict[str, Any]:
