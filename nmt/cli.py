@@ -61,6 +61,14 @@ def _sigterm_as_ctrl_c(command):
 
 SET_HELP = "Override a recipe value, e.g. --set train.lr=3e-4 (repeatable)."
 RUN_DIR_HELP = "Run directory (default: runs/<recipe-folder>_<recipe-name>)."
+LENGTH_NORM_HELP = (
+    "gnmt: ((5+|y|)/6)^alpha; plain: |y|^alpha (CTranslate2's). Default: decode.length_norm."
+)
+ENGINE_HELP = "nmt (its own search) or ctranslate2 (the run's CTranslate2 export, made once)."
+QUANTIZATION_HELP = (
+    "--engine ctranslate2 weights and compute type: float32 (default), int8, int8_float32, "
+    "int8_bfloat16, bfloat16, ... (those this CPU supports)."
+)
 
 
 def _setup_logging(verbose: bool = False) -> None:
@@ -325,7 +333,10 @@ def translate(
     precision: str | None = typer.Option(None, "--precision", help="fp32, bf16, fp16 or auto."),
     max_len_a: float | None = typer.Option(None, "--max-len-a"),
     max_len_b: int | None = typer.Option(None, "--max-len-b"),
-    length_penalty: float | None = typer.Option(None, "--length-penalty", help="GNMT alpha."),
+    length_penalty: float | None = typer.Option(
+        None, "--length-penalty", help="alpha of the length normalisation (0: none)."
+    ),
+    length_norm: str | None = typer.Option(None, "--length-norm", help=LENGTH_NORM_HELP),
     no_repeat_ngram: int | None = typer.Option(None, "--no-repeat-ngram"),
     ban_unk: bool | None = typer.Option(
         None, "--ban-unk/--allow-unk", help="Never output <unk> (default: decode.ban_unk)."
@@ -339,14 +350,16 @@ def translate(
         None, "--attention-plot", help="PNG heatmap of source x target attention (one sentence)."
     ),
     device: str = typer.Option("auto", "--device"),
+    engine: str = typer.Option("nmt", "--engine", help=ENGINE_HELP),
+    quantization: str | None = typer.Option(None, "--quantization", help=QUANTIZATION_HELP),
 ) -> None:
     """Translate lines from --input or stdin: one line per input line (with --nbest N, N lines
     `i ||| text ||| score` per input line). Several runs decode as an ensemble."""
     from nmt import config
-    from nmt.device import resolve_precision
+    from nmt.engine import open_engine
     from nmt.files import replacing
     from nmt.metrics import read_text_lines, text_lines
-    from nmt.translate import load_models, search_options, translate_lines
+    from nmt.translate import search_options
 
     if sample and ((beam or 1) > 1 or (nbest or 1) > 1):
         raise NMTError("--sample draws one translation per sentence; drop --beam and --nbest")
@@ -354,30 +367,27 @@ def translate(
         raise NMTError("--temperature, --top-k and --top-p shape sampling: add --sample")
     if output is not None:
         _check_output(output, input)
+    if attention_plot is not None and engine != "nmt":
+        raise NMTError("--attention-plot reads nmt's own model: drop --engine " + engine)
     dev = _decode_device(device)
-    loaded = load_models(runs, dev)
-    overrides = [
-        f"decode.{k}={v}"
-        for k, v in {
-            "beam": beam,
-            "nbest": nbest,
-            "batch_tokens": batch_tokens,
-            "workers": workers,
-            "precision": precision,
-            "max_len_a": max_len_a,
-            "max_len_b": max_len_b,
-            "length_penalty": length_penalty,
-            "no_repeat_ngram": no_repeat_ngram,
-            "ban_unk": ban_unk,
-        }.items()
-        if v is not None
-    ]
+    decoder = open_engine(runs, engine, dev, precision, quantization)
+    overrides = _decode_overrides(
+        beam=beam,
+        nbest=nbest,
+        batch_tokens=batch_tokens,
+        workers=workers,
+        max_len_a=max_len_a,
+        max_len_b=max_len_b,
+        length_penalty=length_penalty,
+        length_norm=length_norm,
+        no_repeat_ngram=no_repeat_ngram,
+        ban_unk=ban_unk,
+    )
     if beam is not None and nbest is None:
-        overrides.append(f"decode.nbest={min(loaded.config.decode.nbest, beam)}")
+        overrides.append(f"decode.nbest={min(decoder.config.decode.nbest, beam)}")
     if sample:  # one sample per sentence, whatever the recipe's n-best setting
         overrides.append("decode.nbest=1")
-    d = config.replace(loaded.config, overrides).decode
-    prec = resolve_precision(d.precision, dev)
+    d = config.replace(decoder.config, overrides).decode
     opts = search_options(
         d,
         sample=sample,
@@ -387,11 +397,10 @@ def translate(
         seed=seed,
         beam=1 if sample else d.beam,
     )
+    decoder.check(opts)
 
     def emit(lines: list[str], sink) -> None:
-        results = translate_lines(
-            loaded.model, loaded.tokenizer, lines, opts, d.batch_tokens, dev, prec, tick, d.workers
-        )
+        results = decoder.translate(lines, opts, d.batch_tokens, tick, d.workers)
         for i, nbest_list in enumerate(results):
             if d.nbest > 1:
                 for text, hyp in nbest_list:
@@ -419,7 +428,7 @@ def translate(
     else:
         lines = text_lines(sys.stdin.buffer.read(), "standard input")
     if attention_plot is not None:
-        _attention_plot(loaded, lines, opts, dev, prec, attention_plot)
+        _attention_plot(decoder, lines, opts, attention_plot)
     from rich.progress import Progress
 
     with Progress(console=err, transient=True, disable=input is None) as bar:
@@ -442,24 +451,28 @@ def _check_output(path: Path, source: Path | None) -> None:
         raise NMTError(f"--output {path} is a directory; give a file name")
 
 
-def _attention_plot(loaded, lines: list[str], opts, dev, prec, path: Path) -> None:
+def _attention_plot(decoder, lines: list[str], opts, path: Path) -> None:
     from nmt.plots import attention_heatmap
-    from nmt.translate import attention_of, translate_lines
+    from nmt.translate import attention_of
 
     if len([ln for ln in lines if ln.strip()]) != 1:
         raise NMTError("--attention-plot needs exactly one input sentence")
     line = next(ln for ln in lines if ln.strip()).strip()
-    (text, hyp), *_ = translate_lines(
-        loaded.model, loaded.tokenizer, [line], opts, 10_000, dev, prec
-    )[0]
-    att = attention_of(loaded.model, loaded.tokenizer, line, hyp.tokens, dev, prec)
+    (text, hyp), *_ = decoder.translate([line], opts, 10_000)[0]
+    model, tokenizer = decoder.model, decoder.tokenizer
+    att = attention_of(model, tokenizer, line, hyp.tokens, decoder.device, decoder.precision)
     if att is None:
         raise NMTError(
-            f"the {loaded.arch} model has no attention (it reads the source through one "
+            f"the {decoder.arch} model has no attention (it reads the source through one "
             "fixed context vector); use an rnn_attention or transformer run"
         )
     attention_heatmap(att.weights, att.src_pieces, att.tgt_pieces, path, title=text)
     err.print(f"attention heatmap written to {path}")
+
+
+def _decode_overrides(**values) -> list[str]:
+    """`decode.KEY=VALUE` overrides of the options given (None: not given)."""
+    return [f"decode.{k}={v}" for k, v in values.items() if v is not None]
 
 
 @app.command()
@@ -479,7 +492,11 @@ def evaluate(
         None, "--compare-hyp", help="Second system: paired bootstrap against it."
     ),
     beam: int | None = typer.Option(None, "--beam"),
+    length_penalty: float | None = typer.Option(None, "--length-penalty"),
+    length_norm: str | None = typer.Option(None, "--length-norm", help=LENGTH_NORM_HELP),
     precision: str | None = typer.Option(None, "--precision"),
+    engine: str = typer.Option("nmt", "--engine", help=ENGINE_HELP),
+    quantization: str | None = typer.Option(None, "--quantization", help=QUANTIZATION_HELP),
     bootstrap_samples: int = typer.Option(1000, "--bootstrap-samples"),
     tgt_lang: str | None = typer.Option(
         None,
@@ -508,7 +525,15 @@ def evaluate(
             raise NMTError("give either a run directory or --hyp, not both")
         with _progress_bar() as bar:
             done = translate_split(
-                runs, split, beam, precision, _decode_device(device), bar("translating")
+                runs,
+                split,
+                beam,
+                precision,
+                _decode_device(device),
+                bar("translating"),
+                overrides=_decode_overrides(length_penalty=length_penalty, length_norm=length_norm),
+                engine=engine,
+                quantization=quantization,
             )
         hyps, hyp_path = done.hyps, done.path
         tgt_lang = tgt_lang or done.tgt_lang
@@ -516,6 +541,12 @@ def evaluate(
     else:
         if hyp is None or not ref:
             raise NMTError("give a run directory (with --split), or --hyp FILE and --ref FILE")
+        given = {"--beam": beam, "--length-penalty": length_penalty, "--length-norm": length_norm}
+        given.update({"--precision": precision, "--quantization": quantization})
+        given["--engine"] = None if engine == "nmt" else engine
+        if any(v is not None for v in given.values()):
+            options = ", ".join(k for k, v in given.items() if v is not None)
+            raise NMTError(f"{options} set(s) how a run translates; with --hyp there is none")
         hyps = read_text_lines(hyp)
         refs_list = [read_text_lines(r) for r in ref]
         for r, lines in zip(ref, refs_list):
@@ -636,6 +667,39 @@ def score(
     else:
         with replacing(output) as f:
             write(f)
+
+
+@app.command()
+def export(
+    run: Path = typer.Argument(..., help="Run directory or checkpoint file (a transformer)."),
+    fmt: str = typer.Option(
+        ...,
+        "--format",
+        help="ctranslate2 (a CTranslate2 model) or hf (a Hugging Face MarianMTModel).",
+    ),
+    out: Path = typer.Option(..., "--out", help="Directory to write (refused if it exists)."),
+    quantization: str | None = typer.Option(
+        None,
+        "--quantization",
+        help="ctranslate2 weights: float32 (default), int8, int8_float32, int8_float16, "
+        "int8_bfloat16, int16, float16 or bfloat16.",
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace --out (once the export succeeded)."),
+) -> None:
+    """Export a transformer run for CTranslate2 or Hugging Face Transformers."""
+    from nmt.export import FORMATS, export_ctranslate2, export_hf
+
+    if fmt == "ctranslate2":
+        source = export_ctranslate2(run, out, quantization or "float32", force)
+        how = f'ctranslate2.Translator("{out}") (see {out / "README.md"})'
+    elif fmt == "hf":
+        if quantization is not None:
+            raise NMTError("--quantization applies to --format ctranslate2 (hf writes float32)")
+        source = export_hf(run, out, force)
+        how = f'MarianMTModel.from_pretrained("{out}") (see {out / "README.md"})'
+    else:
+        raise NMTError(f"unknown --format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    err.print(f"exported {source.checkpoint} to {out}; load it with {how}")
 
 
 @app.command()

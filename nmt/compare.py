@@ -18,7 +18,6 @@ and of each system's seeds.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -115,8 +114,7 @@ def system_name(recipe: Path) -> str:
 
 
 def _run_dir(out: Path, name: str, cfg: Config) -> Path:
-    digest = hashlib.sha256(cfg.to_yaml().encode()).hexdigest()[:8]
-    return out / "runs" / f"{name}-{digest}"
+    return out / "runs" / f"{name}-{cfg.digest()}"
 
 
 def _trained_sections(cfg: Config) -> dict[str, Any]:

@@ -205,7 +205,11 @@ class DecodeConfig:
 
     beam: int = 5
     nbest: int = 1
-    length_penalty: float = 1.0  # GNMT alpha; 0 = raw log-probability
+    length_penalty: float = 1.0  # alpha; 0 = raw log-probability
+    # How a hypothesis' log-probability is normalised by its length |y| (tokens and EOS):
+    # gnmt divides by ((5 + |y|) / 6) ** alpha (Wu et al. 2016), plain by |y| ** alpha (as
+    # CTranslate2, OpenNMT and Marian do; `--engine ctranslate2` beam search needs it).
+    length_norm: Literal["gnmt", "plain"] = "gnmt"
     max_len_a: float = 1.5
     max_len_b: int = 10
     min_len: int = 1
@@ -250,6 +254,17 @@ class Config:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
 
+    def digest(self) -> str:
+        """8 hex digits naming the whole config (`nmt compare` names its run folders by it).
+        Keys added to the config later are left out while they hold the value every run had
+        before them (`LATER_KEYS`): an older run keeps its digest, and its folder is reused."""
+        d = self.to_dict()
+        for (section, key), before in LATER_KEYS.items():
+            if d[section].get(key) == before:
+                del d[section][key]
+        text = yaml.safe_dump(d, sort_keys=False, allow_unicode=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:8]
+
     def data_key(self) -> str:
         """Hash of everything that determines the prepared data (data + tokenizer sections)."""
         d = self.to_dict()
@@ -260,6 +275,15 @@ class Config:
             del payload["tokenizer"]["normalization"]
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
+
+# (section, key) of options added after runs were made, with the value those runs had.
+LATER_KEYS: dict[tuple[str, str], Any] = {
+    ("decode", "length_norm"): "gnmt",
+    ("train", "max_tokens"): None,
+    ("train", "deterministic"): False,
+    ("train", "tf32"): True,
+    ("train", "dist_timeout_minutes"): 120.0,
+}
 
 SECTIONS: dict[str, type] = {
     "data": DataConfig,

@@ -1,6 +1,6 @@
 """`nmt evaluate RUN --split S`: translate a prepared split with a run's model, keep the
 translations in the run (RUN/translations/S.LANG, written whole or not at all). Scoring is
-`nmt.metrics`'; decoding `nmt.translate`'s."""
+`nmt.metrics`'; decoding an engine's (`nmt.engine`: nmt's own search or CTranslate2)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from pathlib import Path
 
 import torch
 
+from nmt import config
 from nmt.data.prepare import prepare
-from nmt.device import resolve_precision
+from nmt.engine import open_engine
 from nmt.files import write_lines
 from nmt.run import RunDir
-from nmt.translate import load_models, translate_texts
+from nmt.translate import search_options
 
 
 @dataclass
@@ -39,26 +40,31 @@ def translate_split(
     precision: str | None,
     device: torch.device,
     progress: Callable[[int], Callable[[int], None]] | None = None,
+    overrides: list[str] | None = None,
+    engine: str = "nmt",
+    quantization: str | None = None,
 ) -> SplitTranslation:
     """Translate prepared split `split` (default: `default_test_split`) with the model of a
     run directory or checkpoint (several: their ensemble, written as SPLIT.ensemble-HASH.LANG
-    in the first run), its decode settings (`beam` and `precision` overriding them).
-    `progress(total)` returns the function told each finished batch's size."""
-    loaded = load_models(runs, device)
-    cfg = loaded.config
+    in the first run), its decode settings (`beam`, and `decode.KEY=VALUE` `overrides`, on
+    top), by `engine` (`nmt.engine.open_engine`: nmt in `precision`, or CTranslate2 in
+    `quantization`). `progress(total)` returns the function told each finished batch's size."""
+    decoder = open_engine(runs, engine, device, precision, quantization)
+    cfg = decoder.config
+    d = config.replace(cfg, overrides).decode if overrides else cfg.decode
+    opts = search_options(d, beam=beam, nbest=1)
+    decoder.check(opts)
     prepared = prepare(cfg)
     name = split or default_test_split(list(prepared.summary["splits"]))
     data = prepared.split(name)
-    prec = resolve_precision(precision or cfg.decode.precision, device)
     sources = data.texts("src")  # encoded with the run's own tokenizer, not the cache's
     tick = progress(len(sources)) if progress is not None else None
-    hyps = translate_texts(
-        loaded.model, loaded.tokenizer, sources, cfg.decode, device, prec, beam, progress=tick
-    )
+    results = decoder.translate(sources, opts, d.batch_tokens, tick, d.workers)
+    hyps = [nbest[0][0] if nbest else "" for nbest in results]
     tag = ""
-    if loaded.members:
-        members = "\n".join(str(m.checkpoint.resolve()) for m in loaded.members)
+    if len(decoder.checkpoints) > 1:
+        members = "\n".join(str(c.resolve()) for c in decoder.checkpoints)
         tag = "ensemble-" + hashlib.sha256(members.encode()).hexdigest()[:8]
-    path = RunDir(loaded.run_dir).translation_file(name, cfg.data.tgt, tag)
+    path = RunDir(decoder.run_dir).translation_file(name, cfg.data.tgt, tag)
     write_lines(path, hyps)
     return SplitTranslation(hyps, data.texts("tgt"), path, cfg.data.tgt, name)

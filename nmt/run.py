@@ -8,6 +8,8 @@
       train.log          the same in words, with the resolved config
       tensorboard/       event files, with train.tensorboard
       translations/      `nmt evaluate RUN --split S` writes S.LANG here
+      exports/           ctranslate2-QUANTIZATION/: the model exported for `--engine ctranslate2`
+                         (`nmt.export`), with the stamp of the checkpoint it was made from
       .lock              the writer lock (see `RunDir.writer`)
 
 A run is in one of four states (`RunDir.state`): empty, configured (config and tokenizer, no
@@ -158,6 +160,10 @@ class RunDir:
         """translations/SPLIT.LANG, or SPLIT.TAG.LANG (an ensemble's translations)."""
         return self.path / "translations" / (f"{split}.{tag}.{lang}" if tag else f"{split}.{lang}")
 
+    def export_dir(self, name: str) -> Path:
+        """exports/NAME: an export of the run's model kept for decoding (`nmt.export`)."""
+        return self.path / "exports" / name
+
     @property
     def lock_file(self) -> Path:
         return self.path / ".lock"
@@ -247,6 +253,7 @@ class RunDir:
     def check_not_written(self) -> None:
         """Refuse (`NMTError` naming the holder) when another process holds the writer lock;
         creates nothing. A quick check before work that would be wasted; `writer` decides."""
+        self.check_is_dir()
         try:
             fd = os.open(self.lock_file, os.O_RDWR)
         except FileNotFoundError:

@@ -93,8 +93,13 @@ def max_lengths(src_mask: Tensor, opts: SearchOptions) -> Tensor:
     """[B] output length limit a * |x| + b (tokens, EOS included; |x| counts the source EOS)."""
     if opts.fixed_len is not None:
         return torch.full((src_mask.size(0),), opts.fixed_len + 1, device=src_mask.device)
-    src_len = src_mask.sum(1).float()
-    return (opts.max_len_a * src_len + opts.max_len_b).floor().long().clamp(min=1)
+    return length_limits(src_mask.sum(1), opts)
+
+
+def length_limits(src_len: Tensor, opts: SearchOptions) -> Tensor:
+    """[B] output length limits a * |x| + b of sources of |x| positions (EOS included) [B]:
+    the limit `max_lengths` gives, for a decoder of another engine to honour exactly."""
+    return (opts.max_len_a * src_len.float() + opts.max_len_b).floor().long().clamp(min=1)
 
 
 def next_logprobs(logits: Tensor) -> Tensor:

@@ -147,6 +147,7 @@ def search_options(
         beam=d.beam if beam is None else beam,
         nbest=d.nbest if nbest is None else nbest,
         length_penalty=d.length_penalty,
+        length_norm=d.length_norm,
         max_len_a=d.max_len_a,
         max_len_b=d.max_len_b,
         min_len=d.min_len,

@@ -36,7 +36,20 @@ What is measured
     + </s>, beam_size, min_decoding_length = max_decoding_length, max_batch_size =
     --batch-size: CTranslate2 sorts by length and cuts batches of that size, as we do, and runs
     them on its W workers). Compute types: float32, and bfloat16 only where CTranslate2
-    supports it on this CPU (it is skipped with a note otherwise).
+    supports it on this CPU (it is skipped with a note otherwise), and int8 and int8_float32
+    weights where it supports them (int8 computes in int8 with the fastest float type, int8_float32
+    in int8 with fp32 elsewhere).
+  * The trained run in CTranslate2 (--run, free decoding; --run-ct2 off skips it): each run's
+    model exported with `nmt.export` (kept in RUN/exports/, as `--engine ctranslate2` keeps it)
+    in every compute type CTranslate2 supports on this CPU among float32, bfloat16, int8,
+    int8_float32 and int8_bfloat16, decoded through `nmt.engine.CT2Engine` (what `nmt translate
+    --engine ctranslate2` runs: nmt's length limit per sentence, its beam, n-best 1, PAD and BOS
+    never generated) on the same sentences, beam --beam or greedy, length_norm plain (CTranslate2
+    normalises by |y| ** alpha; nmt's rows keep the run's setting), CTranslate2 batches of about
+    --batch-size sentences (batch_tokens = batch size x mean source length x beam),
+    inter_threads = W from --peer-workers, intra_threads = --threads / W. These rows are peers:
+    they run under both process settings (--peer-host) and a second table gives nmt's speed over
+    its own model's CTranslate2 speed.
   * Process settings (--peer-host): nmt runs under the settings `nmt translate` applies
     (`nmt.device.configure_host`: denormals flushed, and glibc malloc keeps freed memory: no
     mmap per large tensor, no trimming, a 64 MB top pad). Those settings speed up HF
@@ -54,6 +67,8 @@ Commands:
   # trained runs, free decoding and fixed length:
   ... scripts/bench_decode.py --run runs/multi30k_transformer --run runs/multi30k_rnn_attention
   ... scripts/bench_decode.py --run runs/multi30k_transformer --fixed-len 20
+  # a trained run next to its own CTranslate2 exports (int8, int8_float32, float32, ...):
+  ... scripts/bench_decode.py --run runs/multi30k_transformer --modes greedy beam
   # peers under nmt's process settings only (one process, no child):
   ... scripts/bench_decode.py --peer-host nmt
   # smoke test (128 sentences, 6 tokens unless --fixed-len is given; under a minute with
@@ -64,6 +79,7 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import subprocess
@@ -103,6 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed passes over all batches")
     p.add_argument("--hf", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--ct2", choices=("auto", "on", "off"), default="auto")
+    p.add_argument(
+        "--run-ct2",
+        choices=("auto", "off"),
+        default="auto",
+        help="--run models exported to CTranslate2 (auto: when ctranslate2 is importable)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
@@ -154,6 +176,7 @@ class Subject:
     tokenizer: Any
     sources: list[list[int]]
     texts: list[str]
+    run: str | None = None  # the run directory (--run), None for random-init models
 
 
 def load_subjects(args) -> list[Subject]:
@@ -185,6 +208,7 @@ def load_subjects(args) -> list[Subject]:
                     tokenizer=tokenizer,
                     sources=[split.src_ids(i).tolist() for i in range(n)],
                     texts=split.texts("src")[:n],
+                    run=run,
                 )
             )
         return subjects
@@ -406,6 +430,38 @@ def bench_ct2(
     return peer_row("ctranslate2", mode, precision, workers, times, subject, new, out_len, args)
 
 
+RUN_COMPUTE_TYPES = ("float32", "bfloat16", "int8", "int8_float32", "int8_bfloat16")
+CT2_PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def bench_ct2_run(subject: Subject, mode: str, compute_type: str, workers: int, args) -> dict:
+    """The trained run's own model in CTranslate2 (`compute_type`), through nmt's engine."""
+    from nmt.engine import CT2Engine
+    from nmt.translate import search_options
+
+    engine = CT2Engine(Path(subject.run), compute_type, torch.device("cpu"))
+    beam = args.beam if mode == "beam" else 1
+    d = dataclasses.replace(subject.cfg.decode, length_norm="plain", nbest=1, beam=beam)
+    opts = search_options(d, nbest=1)
+    mean_len = float(np.mean([len(s) + 1 for s in subject.sources]))
+    batch_tokens = max(16, round(args.batch_size * mean_len * beam))
+    batches = [
+        [subject.texts[i] for i in idx] for idx, _ in make_batches(subject.sources, args.batch_size)
+    ]
+
+    def decode_pass(bs):  # one call: CTranslate2 runs its batches on its workers
+        return [engine.translate([t for b in bs for t in b], opts, batch_tokens, workers=workers)]
+
+    times, outputs = timed_passes(decode_pass, batches, args, workers)
+    out_len = float(np.mean([len(n[0][1].tokens) if n else 0 for out in outputs for n in out]))
+    precision = CT2_PRECISION.get(compute_type, compute_type)
+    host = "default" if args.peers_only else "nmt"
+    n = len(subject.sources)
+    return row_of(
+        "ctranslate2-run", subject.name, mode, precision, workers, times, n, None, out_len, host
+    )
+
+
 def peer_row(system: str, mode, precision, workers, times, subject, steps, out_len, args) -> dict:
     """A peer's row (its model: the Marian one), under this process' settings: nmt's, or the
     libraries' defaults in the --peers-only child (see --peer-host)."""
@@ -485,6 +541,7 @@ def main(argv: list[str] | None = None) -> dict:
         supported = ctranslate2.get_supported_compute_types("cpu")
         wanted = {"fp32": "float32", "bf16": "bfloat16"}
         types = [wanted[p] for p in args.precisions if wanted[p] in supported]
+        types += [t for t in ("int8", "int8_float32") if t in supported]
         for p in args.precisions:
             if wanted[p] not in supported:
                 notes.append(f"CTranslate2 {wanted[p]} is not supported on this CPU; skipped")
@@ -497,10 +554,33 @@ def main(argv: list[str] | None = None) -> dict:
                     for workers in args.peer_workers:
                         rows.append(bench_ct2(model_dir, transformer, mode, ct, workers, args))
 
+    run_subjects = [s for s in subjects if s.run and s.arch == "transformer"]
+    use_run_ct2 = args.run_ct2 != "off" and bool(run_subjects)
+    if use_run_ct2:
+        try:
+            import ctranslate2
+        except ImportError:
+            use_run_ct2 = False
+    if use_run_ct2 and args.fixed_len:
+        notes.append("the runs' CTranslate2 rows need free decoding (--fixed-len 0); skipped")
+        use_run_ct2 = False
+    if use_run_ct2 and here:
+        supported = ctranslate2.get_supported_compute_types("cpu")
+        types = [t for t in RUN_COMPUTE_TYPES if t in supported]
+        skipped = [t for t in RUN_COMPUTE_TYPES if t not in supported]
+        if skipped and not args.peers_only:
+            notes.append(f"CTranslate2 computes no {', '.join(skipped)} on this CPU; skipped")
+        for subject in run_subjects:
+            for mode in args.modes:
+                for ct in types:
+                    for workers in args.peer_workers:
+                        rows.append(bench_ct2_run(subject, mode, ct, workers, args))
+            gc.collect()
+
     if args.peers_only:  # the child: its rows go to the parent through --json
         Path(args.json).write_text(json.dumps({"rows": rows, "notes": notes}, default=str))
         return {"rows": rows}
-    if (use_hf or use_ct2) and args.peer_host != "nmt":
+    if (use_hf or use_ct2 or use_run_ct2) and args.peer_host != "nmt":
         child_rows, child_notes = peers_with_default_settings(argv, args)
         rows += child_rows
         notes += [n for n in child_notes if n not in notes]
@@ -580,6 +660,47 @@ def main(argv: list[str] | None = None) -> dict:
             ],
             title=f"nmt transformer ({transformer.name}) vs HF generate and CTranslate2 (same batches)",
         )
+    own = []  # nmt's speed over its own model's in CTranslate2
+    for row in rows:
+        if row["system"] != "ctranslate2-run":
+            continue
+        for mine in rows:
+            if (
+                mine["system"] == "nmt"
+                and mine["model"] == row["model"]
+                and mine["mode"] == row["mode"]
+            ):
+                own.append(
+                    {
+                        "model": row["model"],
+                        "mode": row["mode"],
+                        "precision": mine["precision"],
+                        "nmt": mine["sentences_per_s"],
+                        "nmt_workers": mine["workers"],
+                        "ct2_compute": row["precision"],
+                        "ct2": row["sentences_per_s"],
+                        "peer_workers": row["workers"],
+                        "peer_host": row["host"],
+                        "nmt_over_ct2": mine["sentences_per_s"] / row["sentences_per_s"],
+                    }
+                )
+    if own:
+        bu.print_table(
+            own,
+            [
+                ("model", "model"),
+                ("mode", "mode"),
+                ("precision", "nmt prec"),
+                ("nmt_workers", "nmt workers"),
+                ("nmt", "nmt sent/s"),
+                ("ct2_compute", "CT2 compute"),
+                ("peer_workers", "CT2 workers"),
+                ("peer_host", "CT2 settings"),
+                ("ct2", "CT2 sent/s"),
+                ("nmt_over_ct2", "nmt/CT2"),
+            ],
+            title="nmt against its own model exported to CTranslate2 (nmt export, same sentences)",
+        )
     for note in notes:
         print(f"note: {note}")
     result = {
@@ -589,6 +710,7 @@ def main(argv: list[str] | None = None) -> dict:
         "notes": notes,
         "rows": rows,
         "ratios": ratios,
+        "own_model_ratios": own,
     }
     bu.write_json(args.json, result)
     return result

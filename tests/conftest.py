@@ -42,9 +42,12 @@ def multi30k_dir() -> Path:
     return MULTI30K
 
 
-def tiny_run(arch: str, steps: int) -> tuple[Path, Config]:
+def tiny_run(
+    arch: str, steps: int, overrides: tuple[str, ...] = (), name: str | None = None
+) -> tuple[Path, Config]:
     """recipes/tiny/ARCH.yaml trained for `steps` steps in fp32, step checkpoints every steps/4
-    (the last 2 kept); trained once per session."""
+    (the last 2 kept), with `overrides` on top (a variant, kept under `name`); trained once
+    per session."""
     cfg = nmt.config.load(
         REPO / "recipes" / "tiny" / f"{arch}.yaml",
         [
@@ -53,9 +56,10 @@ def tiny_run(arch: str, steps: int) -> tuple[Path, Config]:
             f"train.save_every={steps // 4}",
             "train.keep_last=2",
             "train.precision=fp32",
+            *overrides,
         ],
     )
-    run_dir = Path(os.environ["NMT_CACHE_DIR"]) / "test-runs" / f"{arch}-{steps}"
+    run_dir = Path(os.environ["NMT_CACHE_DIR"]) / "test-runs" / f"{name or arch}-{steps}"
     if not (run_dir / "checkpoints" / "last.pt").is_file():
         shutil.rmtree(run_dir, ignore_errors=True)
         attach(prepare(cfg), cfg, run_dir)

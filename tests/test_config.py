@@ -149,6 +149,7 @@ def test_wrong_type_names_the_key(raw, fragments):
         (TokenizerConfig, "tokenizer", "type", "wordpiece"),
         (DataConfig, "data", "source", "csv"),
         (DecodeConfig, "decode", "precision", "fp8"),
+        (DecodeConfig, "decode", "length_norm", "average"),
     ],
 )
 def test_literal_value_outside_choices_lists_every_valid_choice(cls, section, key, bad):
@@ -476,3 +477,42 @@ def test_data_key_changes_with_data_and_tokenizer_settings(override):
 )
 def test_data_key_ignores_settings_that_do_not_change_the_prepared_data(override):
     assert key_with(override) == key_with()
+
+
+def test_length_norm_defaults_to_gnmt_and_reaches_the_search():
+    from nmt.translate import search_options
+
+    cfg = from_dict({})
+    assert cfg.decode.length_norm == "gnmt"
+    plain = config.replace(cfg, ["decode.length_norm=plain"]).decode
+    assert search_options(plain).length_norm == "plain"
+    assert search_options(cfg.decode).length_norm == "gnmt"
+
+
+def test_the_config_digest_names_a_config_as_before_the_later_options():
+    """`nmt compare` names run folders by `Config.digest`: a config at the defaults of the
+    options added since (decode.length_norm, train.max_tokens, deterministic, tf32,
+    dist_timeout_minutes) keeps the digest it had before they existed (the hash of its YAML
+    without those keys), so compare reuses runs made by earlier versions; another value of
+    any of them changes it."""
+    import hashlib
+
+    import yaml
+
+    cfg = from_dict(BASE)
+    before = cfg.to_dict()
+    del before["decode"]["length_norm"]
+    for key in ("max_tokens", "deterministic", "tf32", "dist_timeout_minutes"):
+        del before["train"][key]
+    text = yaml.safe_dump(before, sort_keys=False, allow_unicode=True)
+    assert cfg.digest() == hashlib.sha256(text.encode()).hexdigest()[:8]
+    for change in (
+        "decode.length_norm=plain",
+        "train.max_tokens=5000",
+        "train.deterministic=true",
+        "train.tf32=false",
+        "train.dist_timeout_minutes=30",
+        "decode.beam=2",
+    ):
+        assert config.replace(cfg, [change]).digest() != cfg.digest(), change
+    assert re.fullmatch(r"[0-9a-f]{8}", cfg.digest())

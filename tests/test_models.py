@@ -78,6 +78,19 @@ VARIANTS = {
             max_positions=64,
         ),
     ),
+    "transformer-post-marian": (
+        "transformer",
+        TransformerConfig(
+            d_model=32,
+            heads=4,
+            enc_layers=2,
+            dec_layers=1,
+            ffn_dim=48,
+            norm="post",
+            positions="sinusoidal_marian",
+            max_positions=16,  # shorter than some test sequences: later positions reuse the last
+        ),
+    ),
 }
 ATTENTION_ARCHS = {"rnn_attention", "transformer"}
 
@@ -296,7 +309,7 @@ def gru_params(inp: int, h: int, layers: int, dirs: int) -> int:
 
 
 def test_parameter_counts_match_formulas():
-    for name in ("transformer-pre", "transformer-post-learned-gelu"):
+    for name in ("transformer-pre", "transformer-post-learned-gelu", "transformer-post-marian"):
         _, cfg = VARIANTS[name]
         assert count_parameters(make(name)) == transformer_params(cfg, V)
     c = VARIANTS["seq2seq-gru"][1]
@@ -374,6 +387,24 @@ def test_sinusoidal_positions_come_from_a_table_equal_to_the_formula():
         far = torch.tensor([5000, 1, 4999])  # beyond any table so far, and any training length
         assert torch.equal(enc(far), sinusoidal(far, 48))
         assert enc(torch.zeros(0, dtype=torch.long)).shape == (0, 48)
+
+
+def test_marian_positions_are_a_fixed_table_of_sines_then_cosines():
+    """sinusoidal_marian: the interleaved encodings' sines in the first half and cosines in
+    the second (Marian's layout, computed in float64 as Marian does), one row per position up
+    to max_positions, then the last row; outside the state dict (a constant, as sinusoids)."""
+    enc = Positions("sinusoidal_marian", 40, 48)
+    positions = torch.arange(40)
+    interleaved = sinusoidal(positions, 48)
+    halves = enc(positions)
+    torch.testing.assert_close(halves[:, :24], interleaved[:, 0::2], atol=2e-6, rtol=0)
+    torch.testing.assert_close(halves[:, 24:], interleaved[:, 1::2], atol=2e-6, rtol=0)
+    assert torch.equal(
+        enc(torch.tensor([[39, 40], [500, 0]])), halves[torch.tensor([[39, 39], [39, 0]])]
+    )
+    assert list(enc.state_dict()) == []
+    with torch.inference_mode():  # decoding reads the same table
+        assert torch.equal(enc(positions), halves)
 
 
 @pytest.mark.parametrize("size", [1, 3, 15, 16, 40])

@@ -236,6 +236,25 @@ def test_nbest_lists(trained):
             assert h.score == pytest.approx(h.logprob / ((5 + len(h.tokens) + 1) / 6) ** alpha)
 
 
+@pytest.mark.parametrize("beam", [1, 5])
+def test_plain_length_normalisation_divides_by_length_to_the_alpha(trained, beam):
+    """length_norm plain: score = logprob / |y| ** alpha, |y| counting the EOS (CTranslate2's
+    normalisation, see nmt.engine); the n-best list is ranked by it."""
+    alpha = 0.8
+    results = decode(
+        trained.model,
+        trained.sources[:30],
+        beam=beam,
+        nbest=beam,
+        length_penalty=alpha,
+        length_norm="plain",
+    )
+    for hyps in results:
+        assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+        for h in hyps:
+            assert h.score == pytest.approx(h.logprob / (len(h.tokens) + 1) ** alpha)
+
+
 @pytest.mark.parametrize("beam", [1, 3])
 def test_max_length(trained, beam):
     a, b = 0.6, 3

@@ -101,6 +101,22 @@ def test_only_the_cli_draws_on_the_terminal():
         assert not prints, f"{module} prints at lines {prints}"
 
 
+def test_only_the_export_modules_touch_the_export_runtimes():
+    """ctranslate2 and transformers (the optional `export` extra) are imported by nmt.export,
+    which builds the exports, and nmt.engine, which decodes with CTranslate2; both import them
+    inside functions, so nothing else needs the extra (tests/test_export.py checks that
+    decoding with nmt loads neither)."""
+    runtimes = ("ctranslate2", "transformers", "safetensors")
+    for module in GRAPH:
+        used = {m for m in GRAPH[module] if m.split(".")[0] in runtimes}
+        if module not in ("nmt.export", "nmt.engine"):
+            assert not used, f"{module} imports {used}"
+    tree = ast.parse(MODULES["nmt.export"].read_text(encoding="utf-8"))
+    top = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+    top |= {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
+    assert not top & set(runtimes)
+
+
 def test_the_run_layout_is_spelled_in_one_module():
     """Only nmt.run names the files of a run directory."""
     names = ['"last.pt"', '"best.pt"', '"averaged.pt"', '"metrics.jsonl"', '"train.log"']

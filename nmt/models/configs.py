@@ -74,14 +74,19 @@ class TransformerConfig:
     activation_dropout: float = 0.0  # inside the FFN, after the activation
     activation: Literal["relu", "gelu"] = "relu"
     norm: Literal["pre", "post"] = "pre"
-    positions: Literal["sinusoidal", "learned"] = "sinusoidal"
+    # sinusoidal: sin/cos interleaved, any length; learned: max_positions entries;
+    # sinusoidal_marian: Marian's fixed table of max_positions entries, sines then cosines (what
+    # a Hugging Face Marian export needs, see `nmt export`). Past max_positions, learned and
+    # sinusoidal_marian positions reuse their last entry.
+    positions: Literal["sinusoidal", "learned", "sinusoidal_marian"] = "sinusoidal"
     max_positions: int = 1024
     scale_embeddings: bool = True
     tie_embeddings: bool = True  # ties source, target and output embeddings (joint vocabulary)
 
     def __post_init__(self) -> None:
-        if min(self.d_model, self.heads, self.enc_layers, self.dec_layers, self.ffn_dim) < 1:
-            raise ValueError("dimensions and layer counts must be >= 1")
+        sizes = (self.d_model, self.heads, self.enc_layers, self.dec_layers, self.ffn_dim)
+        if min(*sizes, self.max_positions) < 1:
+            raise ValueError("dimensions, layer counts and max_positions must be >= 1")
         if self.d_model % self.heads != 0:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by heads ({self.heads})")
         if not all(

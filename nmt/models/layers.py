@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -151,9 +152,26 @@ def sinusoidal(positions: Tensor, dim: int) -> Tensor:
     return out
 
 
+def sinusoidal_halves(n: int, dim: int) -> Tensor:
+    """[n, D] encodings of positions 0..n-1 laid out as Marian lays them: sines in the first
+    half of the vector, cosines in the second (`sinusoidal` interleaves them), same
+    frequencies. Computed as Hugging Face's `MarianSinusoidalPositionalEmbedding.create_weight`
+    computes them (float64 numpy, the same expressions, rounded to fp32 once), so a Marian
+    export recomputing its table gets these values bit for bit (tests/test_export.py)."""
+    inverse = np.array([np.power(10000, 2 * (j // 2) / dim) for j in range(dim)])  # [D]
+    angles = np.arange(n)[:, None] / inverse  # [n, D], float64 division as Marian's
+    out = torch.empty(n, dim, dtype=torch.float32)
+    sentinel = dim // 2 if dim % 2 == 0 else dim // 2 + 1
+    out[:, :sentinel] = torch.from_numpy(np.sin(angles[:, 0::2]))
+    out[:, sentinel:] = torch.from_numpy(np.cos(angles[:, 1::2]))
+    return out
+
+
 class Positions(nn.Module):
-    """Positional encodings by position index: sinusoidal (fixed, unbounded) or learned
-    (`max_len` entries; later positions reuse the last one)."""
+    """Positional encodings by position index: sinusoidal (fixed, unbounded, sin/cos
+    interleaved), learned (`max_len` entries), or sinusoidal_marian (Marian's fixed table of
+    `max_len` entries, sines then cosines: `sinusoidal_halves`). Past a table's last entry,
+    positions reuse it."""
 
     def __init__(self, kind: str, max_len: int, dim: int) -> None:
         super().__init__()
@@ -161,11 +179,16 @@ class Positions(nn.Module):
         self.table = (
             nn.Parameter(torch.randn(max_len, dim) * dim**-0.5) if kind == "learned" else None
         )
+        # A buffer outside the state dict: checkpoints are the same for every kind but learned.
+        halves = sinusoidal_halves(max_len, dim) if kind == "sinusoidal_marian" else None
+        self.register_buffer("halves", halves, persistent=False)
         self._sinusoids: Tensor | None = None  # CPU: sinusoidal(0..n-1), grown on demand
 
     def forward(self, positions: Tensor) -> Tensor:
         if self.table is not None:
             return self.table[positions.clamp(max=self.table.size(0) - 1)]
+        if self.halves is not None:
+            return self.halves[positions.clamp(max=self.halves.size(0) - 1)]
         if (
             positions.device.type != "cpu"
             or positions.numel() == 0

@@ -1,0 +1,320 @@
+"""What decodes lines for `nmt translate` and `nmt evaluate`: nmt's own search over the run's
+model (`NMTEngine`), or CTranslate2 over the run's export (`CT2Engine`, `--engine
+ctranslate2`). One interface, `Engine.translate(lines, opts, batch_tokens, progress,
+workers)`, n-best (text, Hypothesis) per line as `nmt.translate.translate_lines` returns them,
+so a caller switches decoder by opening another engine (`open_engine`).
+
+CTranslate2 honours nmt's search settings where it can and `CT2Engine.check` refuses the
+others with one line. What matches, and why (CTranslate2's src/decoding.cc, v4.8):
+
+- length limit a*|x|+b per sentence (`nmt.search.length_limits`): nmt's last allowed position
+  holds a forced EOS, so at most limit-1 tokens come before it; CTranslate2 gets
+  max_decoding_length = limit-1, one call per distinct limit. A hypothesis that reaches it
+  ends there without an EOS in CTranslate2 (nmt scores the forced EOS): same tokens, a score
+  without the EOS log-prob.
+- length normalisation: CTranslate2 divides a finished hypothesis' log-probability by
+  length ** length_penalty, the length counting the EOS (it keeps EOS in hypotheses while it
+  decodes, and drops it from the tokens it returns unless return_end_token): nmt's
+  `length_norm: plain`. Beam search with gnmt and alpha != 0 is refused; greedy search asks
+  CTranslate2 for raw log-probabilities and normalises them as nmt does, either way.
+- beam search: both expand the 2K best candidates of the K hypotheses of a sentence, put the
+  EOS ones among the top K aside as finished and keep the K best others. nmt stops a sentence
+  when no live hypothesis can beat its K-th finished one; CTranslate2 stops once K hypotheses
+  have finished (length_penalty != 0) or when its best candidate ends (length_penalty 0,
+  which therefore finds the same best hypothesis). With a length penalty a hypothesis that
+  finishes after CTranslate2 stopped can win in nmt.
+- constraints (min_len, ban_unk, no_repeat_ngram, no PAD or BOS): the same tokens are
+  excluded, but CTranslate2 removes them before its softmax and nmt after, so beam scores
+  differ by the probability the excluded tokens had (greedy choices are the same).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from nmt import NMTError
+from nmt.config import Config
+from nmt.data.tokenizer import Tokenizer
+from nmt.device import resolve_precision
+from nmt.search import Hypothesis, SearchOptions, length_limits, length_penalty
+from nmt.special import EOS_ID
+from nmt.translate import decode_workers, load_models, translate_lines
+
+ENGINES = ("nmt", "ctranslate2")
+
+
+class Engine(Protocol):
+    """A decoder of a run's model."""
+
+    config: Config  # the run's config (decode settings, languages)
+    tokenizer: Tokenizer
+    run_dir: Path  # the run the model comes from (an ensemble's first run)
+    checkpoints: list[Path]  # the checkpoint file(s) decoded: several for an ensemble
+    arch: str  # what decodes: an architecture, or the members' joined by "+"
+
+    def check(self, opts: SearchOptions) -> None:
+        """Raise `NMTError` (one line) for settings this engine cannot honour."""
+
+    def translate(
+        self,
+        lines: list[str],
+        opts: SearchOptions,
+        batch_tokens: int,
+        progress: Callable[[int], None] | None = None,
+        workers: int = 0,
+    ) -> list[list[tuple[str, Hypothesis]]]:
+        """n-best (text, hypothesis) per input line; empty lines give an empty list."""
+
+
+@dataclasses.dataclass
+class NMTEngine:
+    """nmt's own search (`nmt.translate.translate_lines`) on a loaded model (an `Ensemble`
+    of several runs' models too)."""
+
+    model: torch.nn.Module
+    config: Config
+    tokenizer: Tokenizer
+    run_dir: Path
+    device: torch.device
+    precision: str
+    checkpoints: list[Path]
+    arch: str
+
+    def check(self, opts: SearchOptions) -> None:
+        pass
+
+    def translate(
+        self,
+        lines: list[str],
+        opts: SearchOptions,
+        batch_tokens: int,
+        progress: Callable[[int], None] | None = None,
+        workers: int = 0,
+    ) -> list[list[tuple[str, Hypothesis]]]:
+        return translate_lines(
+            self.model,
+            self.tokenizer,
+            lines,
+            opts,
+            batch_tokens,
+            self.device,
+            self.precision,
+            progress,
+            workers,
+        )
+
+
+SUPPRESSED = [["<pad>"], ["<s>"]]  # nmt never generates PAD or BOS
+
+
+class CT2Engine:
+    """CTranslate2 on the run's export in `quantization` (`nmt.export.ctranslate2_for_decoding`:
+    made once, again when the run's checkpoint changes)."""
+
+    def __init__(self, path: Path, quantization: str, device: torch.device) -> None:
+        from nmt import export
+
+        ctranslate2 = export.require("ctranslate2", "--engine ctranslate2")
+        export.check_quantization(quantization)
+        if device.type not in ("cpu", "cuda"):
+            raise NMTError(f"CTranslate2 runs on cpu or cuda, not {device.type}; use --device cpu")
+        self.device = device.type
+        supported = sorted(ctranslate2.get_supported_compute_types(self.device))
+        if quantization not in supported:
+            raise NMTError(
+                f"CTranslate2 cannot compute in {quantization} on this {self.device}; "
+                f"choose --quantization {', '.join(supported)}"
+            )
+        self.ctranslate2 = ctranslate2
+        self.quantization = quantization
+        self.model_dir, stamp = export.ctranslate2_for_decoding(path, quantization)
+        self.config = export.export_config(stamp)
+        self.run_dir = Path(stamp["run_dir"])
+        self.checkpoints = [Path(stamp["checkpoint"]["path"])]
+        self.arch = "transformer"
+        self.tokenizer = Tokenizer(self.model_dir / "source.spm", self.model_dir / "target.spm")
+        self.positions = max(export.CT2_POSITIONS, self.config.model.max_positions)
+        self._translators: dict[int, Any] = {}
+
+    def translator(self, workers: int, fresh: bool = False):
+        """A `ctranslate2.Translator` decoding `workers` batches at once, torch's intra-op
+        threads split between them (0: as nmt decides, `nmt.translate.decode_workers`: 2
+        workers of 1 thread on 2 threads; CTranslate2's OpenMP threads also lose most to
+        waiting when a batch's work is split finer); kept for the next call unless `fresh`."""
+        workers = decode_workers(workers, torch.device(self.device), batches=1 << 30)
+        if fresh or workers not in self._translators:
+            translator = self.ctranslate2.Translator(
+                str(self.model_dir),
+                device=self.device,
+                compute_type=self.quantization,
+                inter_threads=workers,
+                intra_threads=max(1, torch.get_num_threads() // workers),
+            )
+            if fresh:
+                return translator
+            self._translators[workers] = translator
+        return self._translators[workers]
+
+    def check(self, opts: SearchOptions) -> None:
+        if opts.fixed_len is not None:
+            raise NMTError("fixed-length decoding is nmt's benchmark mode; use --engine nmt")
+        gnmt = opts.length_norm == "gnmt" and opts.length_penalty != 0
+        if gnmt and opts.beam > 1 and not opts.sample:
+            raise NMTError(
+                f"decode.length_norm=gnmt with length penalty {opts.length_penalty}: CTranslate2's "
+                "beam search divides by length ** alpha; use --length-norm plain or "
+                "--length-penalty 0"
+            )
+
+    def options(self, opts: SearchOptions) -> dict[str, Any]:
+        """translate_batch arguments for nmt's search settings (the length limits aside)."""
+        self.check(opts)
+        beam = 1 if opts.sample else opts.beam
+        kwargs: dict[str, Any] = {
+            "beam_size": beam,
+            "patience": 1,
+            "num_hypotheses": min(opts.nbest, beam),
+            # greedy: raw log-probabilities, normalised here as nmt normalises them
+            "length_penalty": opts.length_penalty if beam > 1 else 0.0,
+            "no_repeat_ngram_size": opts.no_repeat_ngram,
+            "disable_unk": opts.ban_unk,
+            "suppress_sequences": SUPPRESSED,
+            "return_end_token": True,  # to know which hypotheses ended and how long they are
+            "return_scores": True,
+            "max_input_length": 0,  # nmt truncates no source
+        }
+        if opts.sample:
+            vocab = self.tokenizer.tgt.get_piece_size()
+            kwargs.update(
+                sampling_topk=min(opts.top_k, vocab),  # 0: the whole vocabulary, as nmt's 0
+                sampling_topp=opts.top_p,
+                sampling_temperature=opts.temperature,
+            )
+        return kwargs
+
+    def translate(
+        self,
+        lines: list[str],
+        opts: SearchOptions,
+        batch_tokens: int,
+        progress: Callable[[int], None] | None = None,
+        workers: int = 0,
+    ) -> list[list[tuple[str, Hypothesis]]]:
+        kwargs = self.options(opts)
+        stripped = [line.strip() for line in lines]
+        todo = [i for i, line in enumerate(stripped) if line]
+        sources = self.tokenizer.src.encode([stripped[i] for i in todo], out_type=str)
+        limits = length_limits(torch.tensor([len(s) + 1 for s in sources]), opts).tolist()
+        for i, (source, limit) in enumerate(zip(sources, limits)):
+            if max(len(source) + 1, limit) > self.positions:
+                raise NMTError(
+                    f"line {todo[i] + 1} needs {max(len(source) + 1, limit)} positions; the "
+                    f"CTranslate2 export encodes {self.positions}: use --engine nmt for it"
+                )
+        groups: dict[int, list[int]] = defaultdict(list)  # limit -> indices into sources
+        for i, limit in enumerate(limits):
+            groups[limit].append(i)
+        if opts.sample:
+            # CTranslate2 seeds a thread's generator when the thread first samples: a new
+            # translator (one worker thread) for every call makes a seed reproduce its samples.
+            self.ctranslate2.set_random_seed(opts.seed)
+            translator = self.translator(1, fresh=True)
+        else:
+            translator = self.translator(workers)
+        batch = max(1, batch_tokens // kwargs["beam_size"])
+        pending = []
+        for limit, idx in sorted(groups.items()):
+            batch_sources = [sources[i] for i in idx]
+            if limit == 1:  # room for the EOS only: its log-prob is the whole score
+                scored = translator.score_batch(batch_sources, [[]] * len(idx), max_input_length=0)
+                pending.append((idx, scored, False))
+                continue
+            results = translator.translate_batch(
+                batch_sources,
+                max_decoding_length=limit - 1,
+                min_decoding_length=min(opts.min_len, limit - 1),
+                max_batch_size=batch,
+                batch_type="tokens",
+                asynchronous=True,
+                **kwargs,
+            )
+            pending.append((idx, results, True))
+        hyps: list[list[Hypothesis]] = [[] for _ in sources]
+        for idx, results, decoded in pending:
+            for i, result in zip(idx, results):
+                if decoded:
+                    hyps[i] = self._hypotheses(result.result(), kwargs["length_penalty"], opts)
+                else:
+                    raw = float(sum(result.log_probs))
+                    hyps[i] = [Hypothesis([], raw / float(length_penalty(1, opts)), raw)]
+            if progress:
+                progress(len(idx))
+        out: list[list[tuple[str, Hypothesis]]] = [[] for _ in lines]
+        for i, nbest in zip(todo, hyps):
+            texts = self.tokenizer.decode_tgt([h.tokens for h in nbest])
+            out[i] = list(zip(texts, nbest))
+        return out
+
+    def _hypotheses(self, result, alpha: float, opts: SearchOptions) -> list[Hypothesis]:
+        """nmt's hypotheses of a CTranslate2 result: token ids, and the score normalised as
+        nmt normalises (CTranslate2's score times length ** alpha is the raw log-prob)."""
+        eos = self.tokenizer.tgt.id_to_piece(EOS_ID)
+        out = []
+        for tokens, score in zip(result.hypotheses, result.scores):
+            length = len(tokens)  # EOS included when the hypothesis ended with one
+            if tokens and tokens[-1] == eos:
+                tokens = tokens[:-1]
+            raw = score * length**alpha if alpha else score
+            ids = [self.tokenizer.tgt.piece_to_id(t) for t in tokens]
+            norm = raw / float(length_penalty(max(length, 1), opts))
+            out.append(Hypothesis(ids, norm, raw))
+        return out
+
+
+def open_engine(
+    paths: list[Path],
+    engine: str,
+    device: torch.device,
+    precision: str | None = None,
+    quantization: str | None = None,
+) -> Engine:
+    """The `engine` decoder of run directories or checkpoints: nmt (their model on `device`,
+    an ensemble for several, in `precision` or the run's decode.precision) or ctranslate2 (the
+    one run's export in `quantization`, float32 by default)."""
+    if engine not in ENGINES:
+        raise NMTError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
+    if engine == "nmt":
+        if quantization is not None:
+            raise NMTError("--quantization applies to --engine ctranslate2")
+        loaded = load_models(paths, device)
+        prec = resolve_precision(precision or loaded.config.decode.precision, device)
+        checkpoints = [m.checkpoint for m in loaded.members] or [loaded.checkpoint]
+        return NMTEngine(
+            loaded.model,
+            loaded.config,
+            loaded.tokenizer,
+            loaded.run_dir,
+            device,
+            prec,
+            checkpoints,
+            loaded.arch,
+        )
+    if len(paths) > 1:
+        raise NMTError(
+            "CTranslate2 decodes one model, not an ensemble: give one run, or drop --engine"
+        )
+    path = paths[0]
+    if engine == "ctranslate2":
+        if precision is not None:
+            raise NMTError(
+                "--precision sets nmt's own decoding; CTranslate2 computes in its "
+                "--quantization (float32 by default)"
+            )
+        return CT2Engine(path, quantization or "float32", device)
+    raise NMTError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
