@@ -14,7 +14,7 @@ import pytest
 from conftest import tiny_run
 
 from nmt import NMTError, checkpoint, config
-from nmt.compare import System, ensure_trained
+from nmt.compare import Run, ensure_trained
 from nmt.data.prepare import prepare
 from nmt.run import RunDir, attach
 
@@ -188,9 +188,8 @@ def test_compare_and_average_refuse_a_run_another_process_writes(tmp_path):
     before = files_of(run)
     holder = holding(run)
     try:
-        system = System("transformer", TINY, cfg, run)
         with pytest.raises(NMTError, match=f"pid {holder.pid} on "):
-            ensure_trained(system, lambda: None, lambda _: None)
+            ensure_trained("transformer", Run(cfg.train.seed, cfg, run), lambda: None, lambda _: None)
         res = run_cli("average", run, "--last", "2")
         assert res.returncode == 2 and f"pid {holder.pid}" in res.stderr
         assert not (run / "checkpoints" / "averaged.pt").exists()
@@ -201,9 +200,8 @@ def test_compare_and_average_refuse_a_run_another_process_writes(tmp_path):
         p: b for p, b in before.items() if p.name != ".lock"
     }
     said = []
-    assert ensure_trained(System("transformer", TINY, cfg, run), lambda: None, said.append) == (
-        "reused"
-    )
+    reused = ensure_trained("transformer", Run(cfg.train.seed, cfg, run), lambda: None, said.append)
+    assert reused == "reused"
     assert "reusing finished run" in said[0]
 
 
