@@ -786,6 +786,7 @@ def compare(
 def serve(
     runs: list[str] = typer.Argument(
         ...,
+        metavar="RUN_DIR_OR_CKPT",
         help="Run directories or checkpoints to serve, NAME=PATH to name one; the first is the default.",
     ),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),

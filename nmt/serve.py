@@ -336,7 +336,9 @@ class Batcher:
         self.workers = workers
         self.stats = Stats()
         self._queues: dict[tuple[str, SearchOptions], deque[Job]] = {}
+        self._costs: dict[tuple[str, SearchOptions], int] = {}  # waiting cost per queue
         self._queued = 0  # sentences waiting
+        self._busy = 0  # threads decoding a batch
         self._cond = threading.Condition()
         self._closing = False
         self._threads: list[threading.Thread] = []
@@ -346,13 +348,19 @@ class Batcher:
         return self._queued
 
     def start(self) -> Batcher:
-        threads = max(1, torch.get_num_threads() // self.workers)
+        """Start the decoding threads, each with its share of the calling thread's torch
+        threads (the process' count is left as it was)."""
+        before = torch.get_num_threads()
+        threads = max(1, before // self.workers)
+        started = threading.Barrier(self.workers + 1)
         for i in range(self.workers):
             t = threading.Thread(
-                target=self._work, args=(threads,), name=f"nmt-serve-{i}", daemon=True
+                target=self._work, args=(threads, started), name=f"nmt-serve-{i}", daemon=True
             )
             t.start()
             self._threads.append(t)
+        started.wait()
+        torch.set_num_threads(before)  # for the threads that start later
         return self
 
     def submit(
@@ -372,7 +380,9 @@ class Batcher:
         with self._cond:
             if self._closing:
                 raise RuntimeError("the server is shutting down")
-            self._queues.setdefault((model.name, opts), deque()).append(job)
+            key = (model.name, opts)
+            self._queues.setdefault(key, deque()).append(job)
+            self._costs[key] = self._costs.get(key, 0) + sum(costs)
             self._queued += len(lines)
             self.stats.requests += 1
             self._cond.notify()
@@ -386,14 +396,15 @@ class Batcher:
 
     def _drop(self, job: Job) -> None:
         """Take a job's waiting sentences out of the queue (under the lock)."""
-        self._queued -= len(job.pending)
-        job.pending.clear()
         key = (job.model.name, job.opts)
         queue = self._queues.get(key)
         if queue is not None and job in queue:
+            self._queued -= len(job.pending)
+            self._costs[key] -= sum(c for _, c in job.pending)
             queue.remove(job)
             if not queue:
-                del self._queues[key]
+                del self._queues[key], self._costs[key]
+        job.pending.clear()
 
     def close(self) -> None:
         """Decode what is queued, then stop the threads (the server is shutting down)."""
@@ -404,13 +415,22 @@ class Batcher:
             t.join()
 
     # -- in the decoding threads --------------------------------------------------------------
-    def _work(self, threads: int) -> None:
-        torch.set_num_threads(threads)  # this thread's intra-op threads
+    def _work(self, threads: int, started: threading.Barrier) -> None:
+        # This thread's intra-op threads. torch sets a thread's count from the process' one
+        # at its first parallel operation unless it has been asked already: ask first, set
+        # after, so that `start` may restore the process' count.
+        torch.get_num_threads()
+        torch.set_num_threads(threads)
+        started.wait()
         while True:
             batch = self._next_batch()
             if batch is None:
                 return
-            self._decode(batch)
+            try:
+                self._decode(batch)
+            finally:
+                with self._cond:
+                    self._busy -= 1
 
     def _budget(self, key: tuple[str, SearchOptions], jobs: deque[Job]) -> int:
         return self.budget or jobs[0].model.loaded.config.decode.batch_tokens
@@ -426,34 +446,45 @@ class Batcher:
                 # the queue whose oldest request has waited longest
                 key, jobs = min(self._queues.items(), key=lambda kv: kv[1][0].arrived)
                 waited = time.monotonic() - jobs[0].arrived
-                full = sum(c for j in jobs for _, c in j.pending) >= self._budget(key, jobs)
+                full = self._costs[key] >= self._budget(key, jobs)
                 if waited >= self.max_wait or full or self._closing:
-                    return self._take(key, jobs)
+                    batch = self._take(key, jobs)
+                    self._busy += 1
+                    if self._queues:
+                        self._cond.notify()  # what is left is another thread's to take
+                    return batch
                 self._cond.wait(self.max_wait - waited)
 
     def _take(self, key: tuple[str, SearchOptions], jobs: deque[Job]) -> list[tuple[Job, int]]:
         """One batch from one queue: a sentence of each request in turn (oldest first),
-        while sentences x longest cost stays within the budget."""
-        budget, batch, longest = self._budget(key, jobs), [], 0
+        while sentences x longest cost stays within the budget, and no more than this
+        thread's share when other threads are idle: 32 sentences and 2 idle threads make 2
+        batches of 16 decoded at once, not one of 32 beside an idle core."""
+        budget, batch, longest, taken = self._budget(key, jobs), [], 0, 0
+        waiting = sum(len(j.pending) for j in jobs)
+        share = -(-waiting // max(1, self.workers - self._busy))
         full = False
-        while not full:
+        while not full and len(batch) < share:
             took = False
             for job in jobs:
                 if not job.pending:
                     continue
                 i, cost = job.pending[0]
-                if batch and (len(batch) + 1) * max(longest, cost) > budget:
+                if batch and (
+                    (len(batch) + 1) * max(longest, cost) > budget or len(batch) >= share
+                ):
                     full = True
                     break
                 job.pending.popleft()
                 batch.append((job, i))
-                longest, took = max(longest, cost), True
+                longest, taken, took = max(longest, cost), taken + cost, True
             full = full or not took
         left = deque(j for j in jobs if j.pending)
         if left:
             self._queues[key] = left
+            self._costs[key] -= taken
         else:
-            del self._queues[key]
+            del self._queues[key], self._costs[key]
         self._queued -= len(batch)
         return batch
 
@@ -472,16 +503,21 @@ class Batcher:
                 for job in requests.values():
                     self._decode([(j, i) for j, i in batch if j is job])
             return
-        with self._cond:
+        finished = []
+        with self._cond:  # a request's sentences may be decoded by two threads at once
             self.stats.batches += 1
             self.stats.sentences += len(batch)
             self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
             self.stats.combined_batches += len({id(job) for job, _ in batch}) > 1
-        for (job, i), nbest in zip(batch, results):
-            job.results[i] = nbest
-            job.remaining -= 1
-            if job.remaining == 0:
-                job.done(job.results, None)
+            for (job, i), nbest in zip(batch, results):
+                if job.failed or job.cancelled:
+                    continue
+                job.results[i] = nbest
+                job.remaining -= 1
+                if job.remaining == 0:
+                    finished.append(job)
+        for job in finished:
+            job.done(job.results, None)
 
     def _fail(self, job: Job, error: Exception) -> None:
         log.error(

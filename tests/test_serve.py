@@ -351,6 +351,23 @@ def test_concurrent_requests_share_batches_and_keep_their_order(served, english,
                 assert got == {"text": "", "score": None}
 
 
+def test_two_idle_threads_share_what_is_waiting(served, english, alone):
+    """8 sentences waiting and 2 idle decoding threads: 2 batches of 4 decoded at once, not
+    one of 8 beside an idle core."""
+    app = create_app(served, ServeSettings(max_wait_ms=300, workers=2))
+
+    async def run():
+        async with async_client(app) as c:
+            answers = await asyncio.gather(
+                *(c.post("/translate", json={"text": line}) for line in english[:8])
+            )
+            return [a.json() for a in answers], (await c.get("/stats")).json()
+
+    answers, stats = asyncio.run(run())
+    assert [texts(a) for a in answers] == [[alone(line)[0]] for line in english[:8]]
+    assert stats["batches"] == 2 and stats["largest_batch"] == 4
+
+
 def test_a_long_request_does_not_hold_short_ones_back(served, english, alone):
     """With room for 4 of the longest sentences a batch, a short request sent after a long one
     is answered within the next batch or two, while the long one is still being decoded."""
