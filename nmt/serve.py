@@ -10,8 +10,8 @@
 Decoding: every sentence of every request joins a queue per (model, search options);
 `workers` decoding threads (`Batcher`) each take what arrived within `max_wait_ms`, up to
 `max_batch_tokens` (sentences x longest source x beam, padding included, as `nmt translate`
-packs), a few sentences of each waiting request in turn, so a long request is cut into
-batches shared with the requests behind it. A batch goes to the model's `Engine` (nmt's own
+packs), a sentence of each waiting request in turn, so a long request is cut into batches
+shared with the requests behind it; threads that are idle at once share what is waiting. A batch goes to the model's `Engine` (nmt's own
 decoding path, `nmt.translate.translate_lines`: sorted by length, searched as it would be
 alone); each request is answered when its last sentence is decoded. The event loop only
 parses, validates and waits.
