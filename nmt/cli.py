@@ -797,7 +797,7 @@ def serve(
         help="Source tokens x beam per batch (default: decode.batch_tokens).",
     ),
     max_wait_ms: float = typer.Option(
-        5.0, "--max-wait-ms", help="How long a batch waits for more sentences."
+        50.0, "--max-wait-ms", help="How long a batch waits for more sentences."
     ),
     precision: str | None = typer.Option(None, "--precision", help="fp32, bf16, fp16 or auto."),
     workers: int = typer.Option(
