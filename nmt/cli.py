@@ -797,7 +797,9 @@ def serve(
         help="Source tokens x beam per batch (default: decode.batch_tokens).",
     ),
     max_wait_ms: float = typer.Option(
-        50.0, "--max-wait-ms", help="How long a batch waits for more sentences."
+        50.0,
+        "--max-wait-ms",
+        help="How long a batch waits for more sentences (or a tenth of it with no new one).",
     ),
     precision: str | None = typer.Option(None, "--precision", help="fp32, bf16, fp16 or auto."),
     workers: int = typer.Option(

@@ -19,9 +19,11 @@ What is measured
     received; latencies from writing a request to reading its whole answer (p50, p95, p99,
     max). Batches and sentences per batch: the server's /stats before and after the row.
   * Offline: `nmt.translate.translate_lines` as `nmt translate RUN --beam B` runs it (the
-    run's decode.batch_tokens and decode.workers, sorted by length), in this process, with
-    the server stopped, after a warm-up on 64 sentences; the median of --offline-repeats
-    passes over the same sentences. ratio = server sentences/s / offline sentences/s. Also
+    run's decode.batch_tokens and decode.workers, sorted by length), in this process, while
+    the server is not running, after a warm-up on 64 sentences: --offline-repeats passes
+    over the same sentences before the server starts and as many after it stops (the load
+    of a shared machine drifts); ratio = server sentences/s / offline sentences/s of the
+    median pass. Also
     how many of the server's translations equal the offline ones (batches of other
     sentences may change bf16 rounding, rarely the words).
   * The 1-minute load average before each part: other processes on the cores lower (and
@@ -180,8 +182,9 @@ async def load(
     }
 
 
-def offline(args: argparse.Namespace, sentences: list[str]) -> dict[str, Any]:
-    """`nmt translate RUN --beam B --precision P` on the sentences, in this process."""
+def offline(args: argparse.Namespace, sentences: list[str]):
+    """`nmt translate RUN --beam B --precision P` on the sentences, in this process: returns
+    `passes(n)`, which times n passes over them (after a warm-up on 64 sentences)."""
     import torch
 
     from nmt import config
@@ -207,23 +210,18 @@ def offline(args: argparse.Namespace, sentences: list[str]) -> dict[str, Any]:
         return [nbest[0][0] if nbest else "" for nbest in out]
 
     run(sentences[:64])
-    load_before = os.getloadavg()[0]
-    times, texts = [], []
-    for _ in range(args.offline_repeats):
-        t0 = time.perf_counter()
-        texts = run(sentences)
-        times.append(time.perf_counter() - t0)
-    return {
-        "sentences": len(sentences),
-        "seconds_median": bu.median(times),
-        "seconds_all": times,
-        "sentences_per_s": len(sentences) / bu.median(times),
-        "precision": prec,
-        "batch_tokens": d.batch_tokens,
-        "workers": d.workers,
-        "load_average_1m": load_before,
-        "texts": texts,
-    }
+    info = {"precision": prec, "batch_tokens": d.batch_tokens, "workers": d.workers}
+
+    def passes(n: int) -> dict[str, Any]:
+        load = os.getloadavg()[0]
+        times, texts = [], []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            texts = run(sentences)
+            times.append(time.perf_counter() - t0)
+        return {"seconds": times, "load_average_1m": load, "texts": texts, **info}
+
+    return passes
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -242,6 +240,11 @@ def main(argv: list[str] | None = None) -> None:
         sentences = sentences[: args.requests]
     bu.warn_if_busy()
     info = bu.machine_info()
+
+    # Offline passes before and after the server's rows: on a shared machine the load drifts,
+    # and the ratio is taken to the median of both.
+    passes = None if args.no_offline else offline(args, sentences)
+    before_runs = passes(args.offline_repeats) if passes else None
 
     port = free_port()
     server = start_server(args, port)
@@ -270,9 +273,24 @@ def main(argv: list[str] | None = None) -> None:
         server.wait(timeout=120)
 
     base = None
-    if not args.no_offline:
-        base = offline(args, sentences)
-        print(f"offline nmt translate: {base['sentences_per_s']:.1f} sentences/s")
+    if passes is not None:
+        after_runs = passes(args.offline_repeats)
+        times = before_runs["seconds"] + after_runs["seconds"]
+        base = {
+            "sentences": len(sentences),
+            "seconds_median": bu.median(times),
+            "sentences_per_s": len(sentences) / bu.median(times),
+            "sentences_per_s_before": len(sentences) / bu.median(before_runs["seconds"]),
+            "sentences_per_s_after": len(sentences) / bu.median(after_runs["seconds"]),
+            "load_average_1m_before": before_runs["load_average_1m"],
+            "load_average_1m_after": after_runs["load_average_1m"],
+            "texts": after_runs["texts"],
+            **{k: after_runs[k] for k in ("precision", "batch_tokens", "workers")},
+        }
+        print(
+            f"offline nmt translate: {base['sentences_per_s']:.1f} sentences/s (before the "
+            f"server {base['sentences_per_s_before']:.1f}, after {base['sentences_per_s_after']:.1f})"
+        )
     for row in rows:
         outputs = row.pop("outputs")
         if base is not None:
