@@ -799,7 +799,7 @@ def serve(
     max_wait_ms: float = typer.Option(
         50.0,
         "--max-wait-ms",
-        help="How long a batch waits for more sentences (or a tenth of it with no new one).",
+        help="How long a batch waits for more sentences (or a fifth of it with no new one).",
     ),
     precision: str | None = typer.Option(None, "--precision", help="fp32, bf16, fp16 or auto."),
     workers: int = typer.Option(

@@ -79,7 +79,7 @@ class ServeSettings:
 
     max_batch_tokens: int | None = None  # None: each model's decode.batch_tokens
     # How long the first sentence of a batch waits for others (a batch also starts once
-    # nothing has arrived for a tenth of it). 32 clients, beam 5, the Multi30k transformer:
+    # nothing has arrived for a fifth of it). 32 clients, beam 5, the Multi30k transformer:
     # 5 ms made batches of 9-10 sentences, 50 ms of 12-15 and 10-20% more sentences/s with a
     # lower p99 (scripts/bench_serve.py, on a shared machine).
     max_wait_ms: float = 50.0
@@ -330,7 +330,7 @@ class Batcher:
     docstring). `submit` is called on the event loop; everything else runs in the threads.
 
     Each worker waits for work, then until the oldest waiting sentence has waited
-    `max_wait` seconds, or nothing has arrived for a tenth of that (a burst of requests is
+    `max_wait` seconds, or nothing has arrived for a fifth of that (a burst of requests is
     over: a lone request does not wait the whole time), or the waiting sentences fill a
     batch; then it takes one batch and decodes it. With 2 workers on 2 cores one batch decodes while the next one gathers (the way
     `decode_batches` keeps both cores busy), each worker with half of torch's threads."""
@@ -453,13 +453,13 @@ class Batcher:
                 now = time.monotonic()
                 waited, quiet = now - jobs[0].arrived, now - jobs[-1].arrived
                 full = self._costs[key] >= self._budget(key, jobs)
-                if waited >= self.max_wait or quiet >= self.max_wait / 10 or full or self._closing:
+                if waited >= self.max_wait or quiet >= self.max_wait / 5 or full or self._closing:
                     batch = self._take(key, jobs)
                     self._busy += 1
                     if self._queues:
                         self._cond.notify()  # what is left is another thread's to take
                     return batch
-                self._cond.wait(min(self.max_wait - waited, self.max_wait / 10 - quiet))
+                self._cond.wait(min(self.max_wait - waited, self.max_wait / 5 - quiet))
 
     def _take(self, key: tuple[str, SearchOptions], jobs: deque[Job]) -> list[tuple[Job, int]]:
         """One batch from one queue: a sentence of each request in turn (oldest first),
