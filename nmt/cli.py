@@ -846,6 +846,54 @@ def compare(
         out.print(table)
 
 
+@app.command()
+def serve(
+    runs: list[str] = typer.Argument(
+        ...,
+        metavar="RUN_DIR_OR_CKPT",
+        help="Run directories or checkpoints to serve, NAME=PATH to name one; the first is the default.",
+    ),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port)."),
+    max_batch_tokens: int | None = typer.Option(
+        None,
+        "--max-batch-tokens",
+        help="Source tokens x beam per batch (default: decode.batch_tokens).",
+    ),
+    max_wait_ms: float = typer.Option(
+        50.0,
+        "--max-wait-ms",
+        help="How long a batch waits for more sentences (or a fifth of it with no new one).",
+    ),
+    precision: str | None = typer.Option(None, "--precision", help="fp32, bf16, fp16 or auto."),
+    workers: int = typer.Option(
+        0, "--workers", help="Batches decoded at once on CPU (0 = auto: 2 with 2+ threads)."
+    ),
+    max_lines: int = typer.Option(100, "--max-lines", help="Lines per request."),
+    max_body_kb: int = typer.Option(1024, "--max-body-kb", help="Request body size limit."),
+    device: str = typer.Option("auto", "--device"),
+) -> None:
+    """Serve models over HTTP: POST /translate, GET /models, a page at /, API docs at /docs."""
+    try:
+        from nmt import serve as server
+    except ImportError as e:
+        if e.name and e.name.split(".")[0] in ("fastapi", "starlette", "uvicorn", "pydantic"):
+            raise NMTError(
+                f"nmt serve needs the serve extra ({e.name} is missing): pip install 'nmt[serve]'"
+            ) from None
+        raise
+    from nmt.device import resolve_device
+
+    settings = server.ServeSettings(
+        max_batch_tokens=max_batch_tokens,
+        max_wait_ms=max_wait_ms,
+        workers=workers,
+        max_lines=max_lines,
+        max_body_bytes=max_body_kb * 1024,
+    )
+    server.serve(server.model_specs(runs), settings, host, port, resolve_device(device), precision)
+
+
 def _click_errors() -> tuple[type[Exception], ...]:
     """Usage errors (bad or missing options and arguments): typer >= 0.29 raises those of its
     own copy of click, older typer those of click."""

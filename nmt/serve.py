@@ -1,0 +1,1059 @@
+"""`nmt serve`: trained models behind HTTP (FastAPI on uvicorn), with dynamic batching.
+
+    POST /translate   {"text": "..." | [...], "model"?, "beam"?, "nbest"?, "max_len"?, ...}
+    GET  /models      what is served: architecture, languages, parameters, step, BLEU
+    GET  /health      liveness: 200 as soon as the server answers
+    GET  /ready       readiness: 503 until every model is loaded, then 200
+    GET  /stats       requests, sentences and batches decoded so far
+    GET  /            a page to try the models (nmt/static/), /docs the OpenAPI page
+
+Decoding: every sentence of every request joins a queue per (model, search options);
+`workers` decoding threads (`Batcher`) each take what arrived within `max_wait_ms`, up to
+`max_batch_tokens` (sentences x longest source x beam, padding included, as `nmt translate`
+packs), a sentence of each waiting request in turn, so a long request is cut into batches
+shared with the requests behind it; threads that are idle at once share what is waiting. A batch goes to the model's `Engine` (nmt's own
+decoding path, `nmt.translate.translate_lines`: sorted by length, searched as it would be
+alone); each request is answered when its last sentence is decoded. The event loop only
+parses, validates and waits.
+
+Errors: a client's mistake is a 4xx JSON body `{"error": "one sentence"}`; a decoding error
+fails the requests of its batch alone (each is retried alone to find the one that fails),
+with a 500 and the traceback in the log. Nothing here prints: it logs through `logging`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import tempfile
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from nmt import NMTError, __version__, config
+from nmt.config import Config
+from nmt.device import resolve_precision
+from nmt.models.base import count_parameters, fixed_weights
+from nmt.search import SearchOptions
+from nmt.translate import (
+    Loaded,
+    attention_of,
+    decode_workers,
+    load_model,
+    search_options,
+    translate_lines,
+)
+
+log = logging.getLogger(__name__)
+
+STATIC = Path(__file__).resolve().parent / "static"
+
+# (text, score) per hypothesis, best first, for every line: what an engine returns.
+NBest = list[tuple[str, float]]
+
+
+# -- settings and limits ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """How the server batches and what it accepts (`nmt serve` options)."""
+
+    max_batch_tokens: int | None = None  # None: each model's decode.batch_tokens
+    # How long the first sentence of a batch waits for others (a batch also starts once
+    # nothing has arrived for a fifth of it). 32 clients, beam 5, the Multi30k transformer:
+    # 5 ms made batches of 9-10 sentences, 50 ms of 12-15 and 10-20% more sentences/s with a
+    # lower p99 (scripts/bench_serve.py, on a shared machine).
+    max_wait_ms: float = 50.0
+    workers: int = 0  # decoding threads; 0 = as `nmt translate` (2 on a CPU with 2+ threads)
+    max_lines: int = 100  # lines per request
+    max_body_bytes: int = 1 << 20  # request body
+    max_beam: int = 32  # larger beams make one request cost as much as hundreds
+    max_queued: int = 10_000  # sentences waiting at once; beyond: 503, retry later
+
+    def __post_init__(self) -> None:
+        """Values `nmt serve` cannot run with: `NMTError` naming its option."""
+        tokens, kb = self.max_batch_tokens, self.max_body_bytes // 1024
+        for ok, problem in (
+            (tokens is None or tokens >= 16, f"--max-batch-tokens must be >= 16 (got {tokens})"),
+            (self.max_wait_ms >= 0, f"--max-wait-ms must be >= 0 (got {self.max_wait_ms:g})"),
+            (self.workers >= 0, f"--workers must be >= 0, 0 = auto (got {self.workers})"),
+            (self.max_lines >= 1, f"--max-lines must be >= 1 (got {self.max_lines})"),
+            (self.max_body_bytes >= 1024, f"--max-body-kb must be >= 1 (got {kb})"),
+            (self.max_beam >= 1, f"the beam limit must be >= 1 (got {self.max_beam})"),
+            (self.max_queued >= self.max_lines, "the queue must hold one request's lines"),
+        ):
+            if not ok:
+                raise NMTError(problem)
+
+
+def max_source_tokens(cfg: Config) -> int:
+    """The longest line (source subword tokens) a served model translates: twice the
+    longest training sentence it kept (`data.max_len`: past that, output is not worth the
+    time it takes), and within its position table when it has a bounded one (learned
+    positions: `max_positions`, the source EOS included)."""
+    limit = 2 * cfg.data.max_len
+    if getattr(cfg.model, "positions", None) == "learned":
+        limit = min(limit, cfg.model.max_positions - 1)
+    return limit
+
+
+# -- the engine: the one place a decoder plugs in --------------------------------------------
+
+
+class Engine(Protocol):
+    """Lines + search options -> the n-best (text, score) of every line, best first. A
+    batch of lines comes in at once (packed to the token budget by the `Batcher`); an
+    engine decodes it in the calling thread."""
+
+    def translate(self, lines: list[str], opts: SearchOptions) -> list[NBest]: ...
+
+
+class NmtEngine:
+    """nmt's own decoding path: `nmt.translate.translate_lines`, as `nmt translate` runs it
+    (length-sorted, each batch searched as it would be alone), one batch per call in the
+    calling thread. The weights stay packed for the decoder while the engine is open
+    (`fixed_weights`: they do not change while serving)."""
+
+    def __init__(self, loaded: Loaded, device: torch.device, precision: str) -> None:
+        self.loaded, self.device, self.precision = loaded, device, precision
+        self._scope = contextlib.ExitStack()
+        self._scope.enter_context(fixed_weights(loaded.model))
+
+    def translate(self, lines: list[str], opts: SearchOptions) -> list[NBest]:
+        batch = translate_lines(
+            self.loaded.model,
+            self.loaded.tokenizer,
+            lines,
+            opts,
+            batch_tokens=2**62,  # one batch: the Batcher has packed it
+            device=self.device,
+            precision=self.precision,
+            workers=1,
+        )
+        return [[(text, hyp.score) for text, hyp in nbest] for nbest in batch]
+
+    def close(self) -> None:
+        self._scope.close()
+
+
+def make_engine(loaded: Loaded, device: torch.device, precision: str) -> Engine:
+    """The engine that decodes for a served model. Another engine (say CTranslate2) plugs
+    in here: it takes the same lines and `SearchOptions` and returns the same n-best."""
+    return NmtEngine(loaded, device, precision)
+
+
+# -- served models ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model to serve: a name and a run directory or checkpoint."""
+
+    name: str
+    path: Path
+
+
+class DecodeRequest(BaseModel):
+    """The decoding options a request may set (the others are the run's decode section)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    beam: int | None = None
+    nbest: int | None = None
+    max_len: int | None = None
+    max_len_a: float | None = None
+    max_len_b: int | None = None
+    length_penalty: float | None = None
+    no_repeat_ngram: int | None = None
+    ban_unk: bool | None = None
+
+
+@dataclass
+class ServedModel:
+    name: str
+    loaded: Loaded
+    device: torch.device
+    precision: str
+    engine: Engine
+    max_tokens: int  # source tokens per line (`max_source_tokens`)
+    has_attention: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.options = lru_cache(maxsize=256)(self._options)
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    def _options(self, asked: DecodeRequest, max_beam: int) -> SearchOptions:
+        """The search options of a request: the run's decode section with the request's
+        values on top, checked as `nmt translate` checks its options (`config.replace`,
+        `search_options`); `NMTError` with one sentence when they are not valid."""
+        values = asked.model_dump(exclude_none=True)
+        if "max_len" in values:
+            if "max_len_a" in values or "max_len_b" in values:
+                raise NMTError("give max_len, or max_len_a and max_len_b, not both")
+            if values["max_len"] < 1:
+                raise NMTError(f"max_len must be >= 1 (got {values['max_len']})")
+            # at most max_len tokens whatever the source length (the limit counts the EOS)
+            values["max_len_a"], values["max_len_b"] = 0.0, values.pop("max_len") + 1
+        if asked.beam is not None and asked.nbest is None:  # as nmt translate --beam
+            values["nbest"] = min(self.loaded.config.decode.nbest, asked.beam)
+        beam = values.get("beam", self.loaded.config.decode.beam)
+        if beam > max_beam:
+            raise NMTError(f"beam {beam} is larger than this server's limit of {max_beam}")
+        d = config.replace(self.loaded.config, [f"decode.{k}={v}" for k, v in values.items()])
+        return search_options(d.decode)
+
+    def attention_translation(self, line: str, opts: SearchOptions) -> tuple[NBest, bytes]:
+        """The n-best of one line and the PNG heatmap of its 1-best's attention: the picture
+        `nmt translate --attention-plot` draws (nmt's own model, forced decoding)."""
+        from nmt.plots import attention_heatmap
+
+        model, tok = self.loaded.model, self.loaded.tokenizer
+        with _one_picture:
+            nbest = translate_lines(model, tok, [line], opts, 10_000, self.device, self.precision)
+            text, hyp = nbest[0][0]
+            att = attention_of(model, tok, line, hyp.tokens, self.device, self.precision)
+            if att is None:  # has_attention was checked before
+                raise RuntimeError(f"model {self.name} gave no attention")
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "attention.png"
+                attention_heatmap(att.weights, att.src_pieces, att.tgt_pieces, path, title=text)
+                png = path.read_bytes()
+        return [(t, h.score) for t, h in nbest[0]], png
+
+
+# Attention pictures are drawn one at a time, outside the batching threads: pyplot keeps
+# global state, and a burst of them must not take the cores from the batches.
+_one_picture = threading.Lock()
+
+
+def model_info(loaded: Loaded) -> dict[str, Any]:
+    """What /models says about a loaded run."""
+    cfg, progress = loaded.config, loaded.payload.get("progress", {})
+    bleus = [r["bleu"] for r in progress.get("history", []) if r.get("bleu") is not None]
+    return {
+        "arch": loaded.payload["arch"],
+        "src_lang": cfg.data.src,
+        "tgt_lang": cfg.data.tgt,
+        "parameters": count_parameters(loaded.model),
+        "step": progress.get("step"),
+        "best_valid_bleu": max(bleus) if bleus else None,
+        "checkpoint": str(loaded.checkpoint),
+        "beam": cfg.decode.beam,
+        "nbest": cfg.decode.nbest,
+    }
+
+
+def load_served(spec: ModelSpec, device: torch.device, precision: str | None) -> ServedModel:
+    """Load a model to serve: its run, precision (`precision` or its decode.precision),
+    engine, line limit and whether it has attention."""
+    loaded = load_model(spec.path, device)
+    prec = resolve_precision(precision or loaded.config.decode.precision, device)
+    probe = attention_of(loaded.model, loaded.tokenizer, "a", [], device, prec)
+    served = ServedModel(
+        name=spec.name,
+        loaded=loaded,
+        device=device,
+        precision=prec,
+        engine=make_engine(loaded, device, prec),
+        max_tokens=max_source_tokens(loaded.config),
+        has_attention=probe is not None,
+    )
+    served.info = {
+        "name": spec.name,
+        **model_info(loaded),
+        "precision": prec,
+        "attention": served.has_attention,
+        "max_line_tokens": served.max_tokens,
+    }
+    return served
+
+
+# -- the batching queue ---------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """One request's sentences in the queue: results fill in as batches finish."""
+
+    model: ServedModel
+    opts: SearchOptions
+    lines: list[str]
+    pending: deque  # (index, cost) not yet taken, shortest first
+    done: Callable[[list[NBest] | None, BaseException | None], None]
+    arrived: float
+    results: list[NBest | None] = field(default_factory=list)
+    remaining: int = 0
+    failed: bool = False
+    cancelled: bool = False
+
+
+@dataclass
+class Stats:
+    requests: int = 0
+    sentences: int = 0
+    batches: int = 0
+    combined_batches: int = 0  # batches holding sentences of 2 or more requests
+    failed_requests: int = 0
+    largest_batch: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["sentences_per_batch"] = self.sentences / self.batches if self.batches else None
+        return out
+
+
+class Batcher:
+    """Sentences of many requests decoded together, by `workers` threads (see the module
+    docstring). `submit` is called on the event loop; everything else runs in the threads.
+
+    Each worker waits for work, then until the oldest waiting sentence has waited
+    `max_wait` seconds, or nothing has arrived for a fifth of that (a burst of requests is
+    over: a lone request does not wait the whole time), or the waiting sentences fill a
+    batch; then it takes one batch and decodes it. With 2 workers on 2 cores one batch decodes while the next one gathers (the way
+    `decode_batches` keeps both cores busy), each worker with half of torch's threads."""
+
+    def __init__(self, max_batch_tokens: int | None, max_wait_ms: float, workers: int) -> None:
+        self.budget = max_batch_tokens
+        self.max_wait = max_wait_ms / 1000
+        self.workers = workers
+        self.stats = Stats()
+        self._queues: dict[tuple[str, SearchOptions], deque[Job]] = {}
+        self._costs: dict[tuple[str, SearchOptions], int] = {}  # waiting cost per queue
+        self._queued = 0  # sentences waiting
+        self._busy = 0  # threads decoding a batch
+        self._cond = threading.Condition()
+        self._closing = False
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def start(self) -> Batcher:
+        """Start the decoding threads, each with its share of the calling thread's torch
+        threads (the process' count is left as it was)."""
+        before = torch.get_num_threads()
+        threads = max(1, before // self.workers)
+        started = threading.Barrier(self.workers + 1)
+        for i in range(self.workers):
+            t = threading.Thread(
+                target=self._work, args=(threads, started), name=f"nmt-serve-{i}", daemon=True
+            )
+            t.start()
+            self._threads.append(t)
+        started.wait()
+        torch.set_num_threads(before)  # for the threads that start later
+        return self
+
+    def submit(
+        self,
+        model: ServedModel,
+        opts: SearchOptions,
+        lines: list[str],
+        lengths: list[int],
+        done: Callable[[list[NBest] | None, BaseException | None], None],
+    ) -> Job:
+        """Queue the (non-empty, stripped) lines of one request; `done(results, error)` is
+        called from a decoding thread once all are decoded, or the first batch fails."""
+        costs = [(n + 1) * opts.beam for n in lengths]  # source tokens + EOS, x beam
+        order = sorted(range(len(lines)), key=lambda i: costs[i])
+        job = Job(model, opts, lines, deque((i, costs[i]) for i in order), done, time.monotonic())
+        job.results, job.remaining = [None] * len(lines), len(lines)
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("the server is shutting down")
+            key = (model.name, opts)
+            self._queues.setdefault(key, deque()).append(job)
+            self._costs[key] = self._costs.get(key, 0) + sum(costs)
+            self._queued += len(lines)
+            self.stats.requests += 1
+            self._cond.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: its sentences not yet taken are dropped."""
+        with self._cond:
+            job.cancelled = True
+            self._drop(job)
+
+    def _drop(self, job: Job) -> None:
+        """Take a job's waiting sentences out of the queue (under the lock)."""
+        key = (job.model.name, job.opts)
+        queue = self._queues.get(key)
+        if queue is not None and job in queue:
+            self._queued -= len(job.pending)
+            self._costs[key] -= sum(c for _, c in job.pending)
+            queue.remove(job)
+            if not queue:
+                del self._queues[key], self._costs[key]
+        job.pending.clear()
+
+    def close(self) -> None:
+        """Decode what is queued, then stop the threads (the server is shutting down)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()
+
+    # -- in the decoding threads --------------------------------------------------------------
+    def _work(self, threads: int, started: threading.Barrier) -> None:
+        # This thread's intra-op threads. torch sets a thread's count from the process' one
+        # at its first parallel operation unless it has been asked already: ask first, set
+        # after, so that `start` may restore the process' count.
+        torch.get_num_threads()
+        torch.set_num_threads(threads)
+        started.wait()
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            try:
+                self._decode(batch)
+            finally:
+                with self._cond:
+                    self._busy -= 1
+
+    def _budget(self, key: tuple[str, SearchOptions], jobs: deque[Job]) -> int:
+        return self.budget or jobs[0].model.loaded.config.decode.batch_tokens
+
+    def _next_batch(self) -> list[tuple[Job, int]] | None:
+        with self._cond:
+            while True:
+                if not self._queues:
+                    if self._closing:
+                        return None
+                    self._cond.wait()
+                    continue
+                # the queue whose oldest request has waited longest
+                key, jobs = min(self._queues.items(), key=lambda kv: kv[1][0].arrived)
+                now = time.monotonic()
+                waited, quiet = now - jobs[0].arrived, now - jobs[-1].arrived
+                full = self._costs[key] >= self._budget(key, jobs)
+                if waited >= self.max_wait or quiet >= self.max_wait / 5 or full or self._closing:
+                    batch = self._take(key, jobs)
+                    self._busy += 1
+                    if self._queues:
+                        self._cond.notify()  # what is left is another thread's to take
+                    return batch
+                self._cond.wait(min(self.max_wait - waited, self.max_wait / 5 - quiet))
+
+    def _take(self, key: tuple[str, SearchOptions], jobs: deque[Job]) -> list[tuple[Job, int]]:
+        """One batch from one queue: a sentence of each request in turn (oldest first),
+        while sentences x longest cost stays within the budget, and no more than this
+        thread's share when other threads are idle: 32 sentences and 2 idle threads make 2
+        batches of 16 decoded at once, not one of 32 beside an idle core."""
+        budget, batch, longest, taken = self._budget(key, jobs), [], 0, 0
+        waiting = sum(len(j.pending) for j in jobs)
+        share = -(-waiting // max(1, self.workers - self._busy))
+        full = False
+        while not full and len(batch) < share:
+            took = False
+            for job in jobs:
+                if not job.pending:
+                    continue
+                i, cost = job.pending[0]
+                if batch and (
+                    (len(batch) + 1) * max(longest, cost) > budget or len(batch) >= share
+                ):
+                    full = True
+                    break
+                job.pending.popleft()
+                batch.append((job, i))
+                longest, taken, took = max(longest, cost), taken + cost, True
+            full = full or not took
+        left = deque(j for j in jobs if j.pending)
+        if left:
+            self._queues[key] = left
+            self._costs[key] -= taken
+        else:
+            del self._queues[key], self._costs[key]
+        self._queued -= len(batch)
+        return batch
+
+    def _decode(self, batch: list[tuple[Job, int]]) -> None:
+        batch = [(job, i) for job, i in batch if not (job.failed or job.cancelled)]
+        if not batch:
+            return
+        job0 = batch[0][0]
+        try:
+            results = job0.model.engine.translate([job.lines[i] for job, i in batch], job0.opts)
+        except Exception as e:
+            requests = {id(job): job for job, _ in batch}
+            if len(requests) == 1:
+                self._fail(job0, e)
+            else:  # find the request that fails: each alone, the others still answered
+                for job in requests.values():
+                    self._decode([(j, i) for j, i in batch if j is job])
+            return
+        finished = []
+        with self._cond:  # a request's sentences may be decoded by two threads at once
+            self.stats.batches += 1
+            self.stats.sentences += len(batch)
+            self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
+            self.stats.combined_batches += len({id(job) for job, _ in batch}) > 1
+            for (job, i), nbest in zip(batch, results):
+                if job.failed or job.cancelled:
+                    continue
+                job.results[i] = nbest
+                job.remaining -= 1
+                if job.remaining == 0:
+                    finished.append(job)
+        for job in finished:
+            job.done(job.results, None)
+
+    def _fail(self, job: Job, error: Exception) -> None:
+        log.error(
+            "decoding failed for a request of %d line(s) to model %s:\n%s",
+            len(job.lines),
+            job.model.name,
+            "".join(traceback.format_exception(error)),
+        )
+        with self._cond:
+            job.failed = True
+            self._drop(job)
+            self.stats.failed_requests += 1
+        job.done(None, error)
+
+
+# -- requests and answers ---------------------------------------------------------------------
+
+
+class TranslateRequest(DecodeRequest):
+    """POST /translate. `text`: one line or a list of lines (each translated alone, answers
+    in the same order); `model`: a served model's name (default: the first one); decoding
+    options as `nmt translate`'s (beam, nbest, max_len_a, max_len_b, length_penalty,
+    no_repeat_ngram, ban_unk), and `max_len`: at most this many output tokens; `scores`: add
+    each translation's score; `attention`: add the PNG heatmap of the 1-best's attention
+    (one line only)."""
+
+    text: str | list[str]
+    model: str | None = None
+    scores: bool = False
+    attention: bool = False
+
+
+class Hyp(BaseModel):
+    text: str
+    score: float
+
+
+class Translation(BaseModel):
+    text: str
+    score: float | None = None  # with "scores" (or nbest > 1); null for an empty line
+    nbest: list[Hyp] | None = None  # with nbest > 1
+    attention: str | None = None  # with "attention": a data: URL of a PNG
+
+
+class TranslateResponse(BaseModel):
+    model: str
+    translations: list[Translation]
+
+
+class ErrorBody(BaseModel):
+    error: str
+
+
+class ApiError(Exception):
+    """A request the server cannot answer: status code and one sentence for the client."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+DECODE_FIELDS = set(DecodeRequest.model_fields)
+
+
+def _field_error(errors: list[dict[str, Any]]) -> str:
+    """One sentence for pydantic's first error about a request body."""
+    e = errors[0]
+    loc = [p for p in e.get("loc", ()) if p != "body"]
+    kind = e.get("type", "")
+    if kind == "json_invalid":
+        return f"the body is not valid JSON ({e.get('ctx', {}).get('error', 'decode error')})"
+    if not loc or kind in ("model_type", "model_attributes_type", "dict_type"):
+        return 'the body must be a JSON object, such as {"text": "A dog runs."}'
+    name = str(loc[0])
+    if kind == "missing":
+        return f"field '{name}' is required"
+    if kind == "extra_forbidden":
+        known = ", ".join(TranslateRequest.model_fields)
+        return f"unknown field '{name}'; the fields are: {known}"
+    if name == "text":
+        return "field 'text' must be a string or a list of strings"
+    expected = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false"}
+    if kind in expected:
+        return f"field '{name}' must be {expected[kind]}"
+    if kind in ("string_type", "str_type"):
+        return f"field '{name}' must be a string"
+    return f"field '{name}': {e.get('msg', 'invalid value')}"
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+# -- the app --------------------------------------------------------------------------------
+
+
+class ServerState:
+    """The app's models and batcher, set once loading is done."""
+
+    def __init__(self, settings: ServeSettings) -> None:
+        self.settings = settings
+        self.models: dict[str, ServedModel] = {}
+        self.default: str | None = None
+        self.batcher: Batcher | None = None
+        self.ready = threading.Event()
+        self.load_error: BaseException | None = None
+        self._loader: threading.Thread | None = None
+
+    def install(self, models: list[ServedModel]) -> None:
+        self.models = {m.name: m for m in models}
+        self.default = models[0].name
+        devices = {m.device for m in models}
+        workers = self.settings.workers or decode_workers(0, next(iter(devices)), 1 << 30)
+        s = self.settings
+        self.batcher = Batcher(s.max_batch_tokens, s.max_wait_ms, workers).start()
+        self.ready.set()
+        log.info(
+            "ready: %s; %d decoding thread(s), batches of at most %s tokens gathered for %g ms",
+            ", ".join(f"{m.name} ({m.info['arch']}, {m.precision})" for m in models),
+            workers,
+            s.max_batch_tokens or "decode.batch_tokens",
+            s.max_wait_ms,
+        )
+
+    def start_loading(self, load: Callable[[], list[ServedModel]], on_error) -> None:
+        def run() -> None:
+            try:
+                self.install(load())
+            except BaseException as e:  # noqa: BLE001 - reported to the command
+                self.load_error = e
+                if on_error is not None:
+                    on_error(e)
+
+        self._loader = threading.Thread(target=run, name="nmt-serve-load", daemon=True)
+        self._loader.start()
+
+    def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
+        for m in self.models.values():
+            close = getattr(m.engine, "close", None)
+            if close is not None:
+                close()
+
+    def model(self, name: str | None) -> ServedModel:
+        if not self.ready.is_set():
+            raise ApiError(503, "the models are still loading; retry when /ready says 200")
+        if name is None:
+            return self.models[self.default]
+        if name not in self.models:
+            raise ApiError(
+                404, f"unknown model '{name}'; this server has: {', '.join(self.models)}"
+            )
+        return self.models[name]
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets a 413 (announced by its
+    Content-Length, or counted as it streams in) before the app reads it whole."""
+
+    class TooLarge(Exception):
+        pass
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        message = (
+            f"the request body is larger than this server's limit of {self.limit:,} bytes; "
+            "send fewer or shorter lines"
+        )
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await _error(413, message)(scope, receive, send)
+        seen, started = 0, False
+
+        async def counting_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise BodyLimit.TooLarge
+            return msg
+
+        async def watching_send(msg):
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, counting_receive, watching_send)
+        except BodyLimit.TooLarge:
+            if not started:
+                await _error(413, message)(scope, receive, send)
+
+
+def create_app(
+    models: list[ServedModel] | Callable[[], list[ServedModel]],
+    settings: ServeSettings | None = None,
+    on_load_error: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """The HTTP app. `models`: loaded models (ready at once), or a function that loads
+    them, called in a thread once the server has started (/health answers meanwhile, /ready
+    says 503). `on_load_error(e)` is told when that function fails. The first model is the
+    default."""
+    settings = settings or ServeSettings()
+    state = ServerState(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if callable(models):
+            state.start_loading(models, on_load_error)
+        else:
+            state.install(list(models))
+        yield
+        await run_in_threadpool(state.close)  # in-flight requests are answered by now
+
+    app = FastAPI(
+        title="nmt serve",
+        version=__version__,
+        description='Translate with trained nmt models. Errors are `{"error": "..."}`.',
+        lifespan=lifespan,
+    )
+    app.state.nmt = state
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    errors = {
+        400: {"model": ErrorBody, "description": "not JSON"},
+        404: {"model": ErrorBody, "description": "unknown model"},
+        413: {"model": ErrorBody, "description": "body or line count over the limits"},
+        422: {"model": ErrorBody, "description": "a field's value is not valid"},
+        500: {"model": ErrorBody, "description": "decoding failed"},
+        503: {"model": ErrorBody, "description": "not ready, shutting down or queue full"},
+    }
+
+    @app.exception_handler(ApiError)
+    async def client_error(request: Request, e: ApiError) -> JSONResponse:
+        return _error(e.status, str(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, e: RequestValidationError) -> JSONResponse:
+        errs = list(e.errors())
+        return _error(
+            400 if errs and errs[0].get("type") == "json_invalid" else 422, _field_error(errs)
+        )
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.error("%s %s failed:\n%s", request.method, request.url.path, traceback.format_exc())
+        return _error(500, "the server failed on this request; its log has the traceback")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        messages = {
+            404: f"no such endpoint: {request.url.path}; the API is described at /docs",
+            405: f"{request.method} is not allowed on {request.url.path}; see /docs",
+        }
+        return JSONResponse(
+            {"error": messages.get(e.status_code, str(e.detail))},
+            status_code=e.status_code,
+            headers=getattr(e, "headers", None),
+        )
+
+    @app.get("/health", summary="Liveness: 200 while the server answers")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get(
+        "/ready",
+        summary="Readiness: 200 once every model is loaded, 503 before",
+        responses={503: {"model": ErrorBody}},
+    )
+    async def ready() -> JSONResponse:
+        if state.ready.is_set():
+            return JSONResponse({"ready": True, "models": list(state.models)})
+        if state.load_error is not None:
+            return _error(503, f"loading the models failed: {state.load_error}")
+        return _error(503, "the models are still loading")
+
+    @app.get("/models", summary="The served models (the first is the default)")
+    async def list_models() -> JSONResponse:
+        state.model(None)  # 503 until loaded
+        return JSONResponse(
+            {"default": state.default, "models": [m.info for m in state.models.values()]}
+        )
+
+    @app.get("/stats", summary="Requests, sentences and batches decoded so far")
+    async def stats() -> JSONResponse:
+        b = state.batcher
+        if b is None:
+            return JSONResponse({"ready": False})
+        return JSONResponse({"ready": True, "queued_sentences": b.queued, **b.stats.as_dict()})
+
+    @app.post(
+        "/translate",
+        summary="Translate one line or a list of lines",
+        response_model=TranslateResponse,
+        responses=errors,
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": TranslateRequest.model_json_schema()}},
+            }
+        },
+    )
+    async def translate(request: Request) -> JSONResponse:
+        body = await request.body()
+        try:
+            raw = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            msg = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+            raise ApiError(400, f"the body is not valid JSON ({msg})") from None
+        try:
+            req = TranslateRequest.model_validate(raw)
+        except ValidationError as e:
+            raise ApiError(422, _field_error(e.errors())) from None
+        return JSONResponse(await _translate(state, req))
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
+
+
+async def _translate(state: ServerState, req: TranslateRequest) -> dict[str, Any]:
+    s = state.settings
+    served = state.model(req.model)
+    lines = [req.text] if isinstance(req.text, str) else req.text
+    if not lines:
+        raise ApiError(422, "field 'text' is an empty list; send at least one line")
+    if len(lines) > s.max_lines:
+        raise ApiError(
+            413,
+            f"{len(lines)} lines are more than this server's limit of {s.max_lines} per "
+            "request; send them in several requests",
+        )
+    for i, line in enumerate(lines):
+        if "\n" in line or "\r" in line:
+            raise ApiError(
+                422, f"line {i + 1} holds a line break; send each line as its own list item"
+            )
+    try:
+        opts = served.options(DecodeRequest(**req.model_dump(include=DECODE_FIELDS)), s.max_beam)
+    except NMTError as e:
+        raise ApiError(422, str(e)) from None
+    stripped = [line.strip() for line in lines]
+    todo = [i for i, line in enumerate(stripped) if line]
+    lengths = [len(ids) for ids in served.tokenizer.encode_src([stripped[i] for i in todo])]
+    for i, n in zip(todo, lengths):
+        if n > served.max_tokens:
+            raise ApiError(
+                422,
+                f"line {i + 1} has {n} tokens, more than model {served.name}'s limit of "
+                f"{served.max_tokens}; split it into sentences",
+            )
+
+    if req.attention:
+        if len(lines) != 1 or not todo:
+            raise ApiError(422, "attention is drawn for one non-empty line; send one line")
+        if not served.has_attention:
+            raise ApiError(
+                422,
+                f"model {served.name} ({served.info['arch']}) has no attention: it reads the "
+                "source through one fixed context vector",
+            )
+        nbest, png = await run_in_threadpool(served.attention_translation, stripped[0], opts)
+        url = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+        return _answer(served, req, opts, [nbest], attention=url)
+
+    results: list[NBest] = [[] for _ in lines]
+    if todo:
+        b = state.batcher
+        if b.queued + len(todo) > s.max_queued:
+            raise ApiError(503, "the server is busy (its queue is full); retry in a moment")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def done(res, err) -> None:  # called in a decoding thread
+            def settle() -> None:
+                if future.done():  # cancelled: the client went away
+                    return
+                if err is not None:
+                    future.set_exception(err)
+                else:
+                    future.set_result(res)
+
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+                loop.call_soon_threadsafe(settle)
+
+        try:
+            job = b.submit(served, opts, [stripped[i] for i in todo], lengths, done)
+        except RuntimeError:
+            raise ApiError(503, "the server is shutting down") from None
+        try:
+            decoded = await future
+        except asyncio.CancelledError:
+            b.cancel(job)
+            raise
+        except Exception:  # logged with its traceback by the batcher
+            raise ApiError(
+                500, "decoding this request failed; the server's log has the traceback"
+            ) from None
+        for i, nbest in zip(todo, decoded):
+            results[i] = nbest
+    return _answer(served, req, opts, results)
+
+
+def _answer(
+    served: ServedModel,
+    req: TranslateRequest,
+    opts: SearchOptions,
+    results: list[NBest],
+    attention: str | None = None,
+) -> dict[str, Any]:
+    out = []
+    for nbest in results:
+        item: dict[str, Any] = {"text": nbest[0][0] if nbest else ""}
+        if req.scores or opts.nbest > 1:
+            item["score"] = nbest[0][1] if nbest else None
+        if opts.nbest > 1:
+            item["nbest"] = [{"text": t, "score": sc} for t, sc in nbest]
+        out.append(item)
+    if attention is not None:
+        out[0]["attention"] = attention
+    return {"model": served.name, "translations": out}
+
+
+# -- running it ---------------------------------------------------------------------------
+
+
+def model_specs(args: list[str]) -> list[ModelSpec]:
+    """`PATH` or `NAME=PATH` per model; a model without a name is called after its run
+    directory. Paths are checked here (`NMTError`), before the server starts."""
+    from nmt.run import RunDir
+    from nmt.translate import checkpoint_of
+
+    specs: list[ModelSpec] = []
+    for arg in args:
+        name, sep, rest = arg.partition("=")
+        named = bool(sep) and name and "/" not in name and not Path(arg).exists()
+        path = Path(rest if named else arg)
+        ckpt = checkpoint_of(path)  # NMTError when there is no run or checkpoint there
+        if not named:
+            name = (path if path.is_dir() else RunDir.of_checkpoint(ckpt).path).resolve().name
+        if any(s.name == name for s in specs):
+            raise NMTError(f"two models are called {name!r}; name them with NAME=PATH")
+        specs.append(ModelSpec(name, path))
+    if not specs:
+        raise NMTError("give at least one run directory or checkpoint to serve")
+    return specs
+
+
+def listening_socket(host: str, port: int):
+    """A socket bound to host:port (port 0: one the system picks), or `NMTError`."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise NMTError(f"--port must be between 0 and 65535 (got {port})")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as e:
+        raise NMTError(f"cannot listen on {host}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        hint = "; choose another --port" if e.errno == 98 else ""  # EADDRINUSE
+        raise NMTError(f"cannot listen on {host}:{port}: {e.strerror}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(
+    specs: list[ModelSpec],
+    settings: ServeSettings,
+    host: str,
+    port: int,
+    device: torch.device,
+    precision: str | None,
+) -> None:
+    """Serve `specs` on host:port until SIGTERM or Ctrl-C. The models load in the background
+    (/ready says when); a model that fails to load stops the server and its error is raised.
+
+    SIGTERM: uvicorn stops accepting connections, waits for the requests in flight (the
+    batcher decodes them), then the app drains the batcher; this returns normally (exit 0).
+    Ctrl-C does the same and then raises KeyboardInterrupt."""
+    import signal
+
+    import uvicorn
+
+    if precision is not None:
+        resolve_precision(precision, device)  # a bad value fails now, not in the loader
+    sock = listening_socket(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    server: uvicorn.Server | None = None
+
+    def stop_on_error(error: BaseException) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(
+        lambda: [load_served(spec, device, precision) for spec in specs],
+        settings,
+        on_load_error=stop_on_error,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", server_header=False)
+    )
+    log.info(
+        "serving on http://%s:%d (page at /, API at /docs); loading %s",
+        bound_host,
+        bound_port,
+        ", ".join(f"{s.name} from {s.path}" for s in specs),
+    )
+    # uvicorn handles SIGTERM while it runs, then raises it again for the handler it found:
+    # the default one would end the process with 143 after a graceful shutdown.
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        sock.close()
+    error = app.state.nmt.load_error
+    if error is not None:
+        raise error

@@ -1,0 +1,716 @@
+"""`nmt serve`: the app through FastAPI's TestClient and in-process async clients (endpoints,
+every bad input, batching, a failing decode), then a real uvicorn process on a free port
+(endpoints, concurrent clients, SIGTERM with requests in flight, the command's errors), and
+the page in a headless Chromium. Tiny runs of the session (`tiny_run`, shared with
+test_translate_cli.py), decoded in fp32 so outputs compare exactly with `nmt translate`."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from conftest import tiny_run
+from fastapi.testclient import TestClient
+from test_translate_cli import FP32, PNG_MAGIC, nmt_cli, ok, one_line_error, read_gz_lines
+
+from nmt import checkpoint
+from nmt.models.base import count_parameters
+from nmt.serve import ModelSpec, ServeSettings, create_app, load_served
+from nmt.translate import load_model, search_options, translate_lines
+
+CPU = torch.device("cpu")
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+# -- models and expected translations ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(multi30k_dir) -> dict[str, Path]:
+    """tiny: the transformer of test_translate_cli (160 steps); s2s: a seq2seq (no attention)."""
+    return {"tiny": tiny_run("transformer", 160)[0], "s2s": tiny_run("seq2seq", 40)[0]}
+
+
+@pytest.fixture(scope="module")
+def served(runs):
+    return [load_served(ModelSpec(name, path), CPU, "fp32") for name, path in runs.items()]
+
+
+@pytest.fixture(scope="module")
+def english(multi30k_dir) -> list[str]:
+    return read_gz_lines(multi30k_dir / "test_2016_flickr.en.gz")[:40]
+
+
+@pytest.fixture(scope="module")
+def alone(served):
+    """line -> (text, score) of the tiny transformer translating it alone (Python API, fp32,
+    the run's decode settings, or `beam`)."""
+    loaded = served[0].loaded
+    cache: dict = {}
+
+    def translate(line: str, beam: int | None = None) -> tuple[str, float]:
+        if (line, beam) not in cache:
+            d = loaded.config.decode
+            opts = search_options(d, beam=beam, nbest=1)
+            (text, hyp), *_ = translate_lines(
+                loaded.model, loaded.tokenizer, [line], opts, d.batch_tokens, CPU, "fp32"
+            )[0]
+            cache[line, beam] = (text, hyp.score)
+        return cache[line, beam]
+
+    return translate
+
+
+SETTINGS = ServeSettings(max_lines=8, max_body_bytes=4096, workers=2, max_wait_ms=2)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with TestClient(create_app(served, SETTINGS)) as c:
+        yield c
+
+
+def texts(answer: dict) -> list[str]:
+    return [t["text"] for t in answer["translations"]]
+
+
+# -- endpoints ----------------------------------------------------------------------------------
+
+
+def test_translate_equals_nmt_translate(client, runs, english):
+    """Lines (one empty) with scores: what `nmt translate --scores` prints, line for line."""
+    lines = [*english[:5], "", *english[5:7]]
+    r = client.post("/translate", json={"text": lines, "scores": True})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["model"] == "tiny"  # the first model is the default
+    cli = ok(nmt_cli("translate", runs["tiny"], "--scores", *FP32, stdin="\n".join(lines) + "\n"))
+    rows = cli.stdout.split("\n")[:-1]
+    assert len(rows) == len(lines) == len(answer["translations"])
+    for row, got in zip(rows, answer["translations"]):
+        if not row:
+            assert got == {"text": "", "score": None}
+            continue
+        text, _, score = row.rpartition("\t")
+        assert got["text"] == text
+        assert got["score"] == pytest.approx(float(score), abs=1e-4)
+
+
+def test_nbest_equals_nmt_translate(client, runs, english):
+    lines = english[:3]
+    r = client.post("/translate", json={"text": lines, "beam": 3, "nbest": 3})
+    assert r.status_code == 200, r.text
+    cli = ok(
+        nmt_cli(
+            "translate", runs["tiny"], "--beam", "3", "--nbest", "3", *FP32, stdin="\n".join(lines)
+        )
+    )
+    expected = [row.split(" ||| ") for row in cli.stdout.splitlines()]
+    got = [
+        (i, h["text"], h["score"])
+        for i, t in enumerate(r.json()["translations"])
+        for h in t["nbest"]
+    ]
+    assert len(got) == len(expected) == 9
+    for (i, text, score), (ci, ctext, cscore) in zip(got, expected):
+        assert (str(i), text) == (ci, ctext)
+        assert score == pytest.approx(float(cscore), abs=1e-4)
+    for t in r.json()["translations"]:
+        assert t["text"] == t["nbest"][0]["text"] and t["score"] == t["nbest"][0]["score"]
+
+
+def test_one_string_and_the_other_model(client, english, alone):
+    r = client.post("/translate", json={"text": english[0]})
+    assert r.json() == {"model": "tiny", "translations": [{"text": alone(english[0])[0]}]}
+    r = client.post("/translate", json={"text": english[0], "model": "s2s", "beam": 1})
+    assert r.status_code == 200 and r.json()["model"] == "s2s"
+    assert r.json()["translations"][0]["text"]
+
+
+def test_max_len_bounds_the_output(client, served, english):
+    r = client.post("/translate", json={"text": english[:6], "max_len": 3, "beam": 2})
+    assert r.status_code == 200, r.text
+    tok = served[0].tokenizer
+    lengths = [len(ids) for ids in tok.encode_tgt(texts(r.json()))]
+    assert max(lengths) <= 3 and min(lengths) >= 1
+
+
+def test_models(client, runs, served):
+    answer = client.get("/models").json()
+    assert answer["default"] == "tiny"
+    by_name = {m["name"]: m for m in answer["models"]}
+    assert list(by_name) == ["tiny", "s2s"]
+    for name, path in runs.items():
+        payload = checkpoint.load(path / "checkpoints" / "best.pt")
+        bleus = [r["bleu"] for r in payload["progress"]["history"] if "bleu" in r]
+        m = by_name[name]
+        assert m["arch"] == payload["arch"]
+        assert (m["src_lang"], m["tgt_lang"]) == ("en", "de")
+        assert m["step"] == payload["progress"]["step"]
+        assert m["best_valid_bleu"] == pytest.approx(max(bleus))
+        assert m["parameters"] == count_parameters(load_model(path, CPU).model)
+    assert by_name["tiny"]["step"] == 160 and by_name["tiny"]["attention"] is True
+    assert by_name["s2s"]["arch"] == "seq2seq" and by_name["s2s"]["attention"] is False
+    assert by_name["tiny"]["max_line_tokens"] == 256  # 2 x data.max_len
+
+
+def test_health_docs_and_page(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/ready").json() == {"ready": True, "models": ["tiny", "s2s"]}
+    spec = client.get("/openapi.json").json()
+    body = spec["paths"]["/translate"]["post"]["requestBody"]["content"]["application/json"]
+    assert {"text", "model", "beam", "nbest", "max_len"} <= set(body["schema"]["properties"])
+    assert "swagger" in client.get("/docs").text.lower()
+    page = client.get("/")
+    assert page.status_code == 200 and 'id="source"' in page.text
+    assert 'fetch("/translate"' in client.get("/static/app.js").text
+
+
+def test_attention_is_the_picture_of_nmt_translate(client, runs, english, tmp_path):
+    """attention: the same PNG as `nmt translate --attention-plot` for the same sentence."""
+    r = client.post("/translate", json={"text": english[1], "attention": True, "scores": True})
+    assert r.status_code == 200, r.text
+    (t,) = r.json()["translations"]
+    prefix = "data:image/png;base64,"
+    assert t["attention"].startswith(prefix)
+    png = base64.b64decode(t["attention"][len(prefix) :])
+    assert png[:8] == PNG_MAGIC
+    plot = tmp_path / "attention.png"
+    cli = ok(nmt_cli("translate", runs["tiny"], "--attention-plot", plot, *FP32, stdin=english[1]))
+    assert t["text"] == cli.stdout.strip()
+    assert png == plot.read_bytes()
+
+
+def test_not_ready_while_loading(served, english, alone):
+    """Models load in the background: /health answers at once, /ready and /translate say 503
+    until they are loaded."""
+    release = threading.Event()
+
+    def load():
+        release.wait(30)
+        return served[:1]
+
+    with TestClient(create_app(load, SETTINGS)) as c:
+        assert c.get("/health").status_code == 200
+        for method, path in (("GET", "/ready"), ("GET", "/models"), ("POST", "/translate")):
+            r = c.request(method, path, json={"text": "A dog."})
+            assert r.status_code == 503, path
+            assert "loading" in r.json()["error"]
+        release.set()
+        deadline = time.monotonic() + 30
+        while c.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert texts(c.post("/translate", json={"text": english[0]}).json()) == [
+            alone(english[0])[0]
+        ]
+
+
+def test_a_failing_loader_says_why(served):
+    failures = []
+
+    def load():
+        raise ValueError("the checkpoint is damaged")
+
+    with TestClient(create_app(load, SETTINGS, on_load_error=failures.append)) as c:
+        deadline = time.monotonic() + 10
+        while not failures:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        r = c.get("/ready")
+        assert r.status_code == 503 and "the checkpoint is damaged" in r.json()["error"]
+    assert isinstance(failures[0], ValueError)
+
+
+# -- bad input: a 4xx JSON answer with one sentence ------------------------------------------------
+
+LONG = " ".join(["A man in a blue shirt is standing on a ladder cleaning windows."] * 25)
+
+BAD = [
+    (b"{text", 400, "the body is not valid JSON"),
+    (b"\xff\xfe", 400, "the body is not valid JSON"),
+    ([1, 2], 422, "the body must be a JSON object"),
+    ({}, 422, "field 'text' is required"),
+    ({"text": 3}, 422, "field 'text' must be a string or a list of strings"),
+    ({"text": ["a", 3]}, 422, "field 'text' must be a string or a list of strings"),
+    ({"text": "a", "beam": "5"}, 422, "field 'beam' must be an integer"),
+    ({"text": "a", "beam": 2.5}, 422, "field 'beam' must be an integer"),
+    ({"text": "a", "scores": "yes"}, 422, "field 'scores' must be true or false"),
+    ({"text": "a", "length_penalty": "x"}, 422, "field 'length_penalty' must be a number"),
+    ({"text": "a", "sample": True}, 422, "unknown field 'sample'"),
+    ({"text": "a", "model": "nope"}, 404, "unknown model 'nope'; this server has: tiny, s2s"),
+    ({"text": []}, 422, "field 'text' is an empty list"),
+    ({"text": ["a"] * 9}, 413, "9 lines are more than this server's limit of 8"),
+    ({"text": ["a", LONG]}, 422, "line 2 has"),
+    ({"text": "a\nb"}, 422, "line 1 holds a line break"),
+    ({"text": "a", "beam": 0}, 422, "invalid value for decode.beam: must be >= 1"),
+    ({"text": "a", "beam": 2, "nbest": 3}, 422, "invalid value for decode.nbest"),
+    ({"text": "a", "beam": 100}, 422, "beam 100 is larger than this server's limit of 32"),
+    ({"text": "a", "max_len": 0}, 422, "max_len must be >= 1"),
+    ({"text": "a", "max_len": 5, "max_len_b": 3}, 422, "not both"),
+    ({"text": "a", "length_penalty": -1}, 422, "invalid value for decode.length_penalty"),
+    ({"text": ["a", "b"], "attention": True}, 422, "attention is drawn for one non-empty line"),
+    ({"text": "a", "model": "s2s", "attention": True}, 422, "has no attention"),
+    ({"text": "a " * 3000}, 413, "larger than this server's limit of 4,096 bytes"),
+]
+
+
+def error_of(r: httpx.Response) -> str:
+    """A 4xx answer: JSON {"error": one sentence}."""
+    assert 400 <= r.status_code < 500, r.text
+    body = r.json()
+    assert list(body) == ["error"]
+    message = body["error"]
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+@pytest.mark.parametrize("body, status, fragment", BAD, ids=[str(b)[:40] for b, _, _ in BAD])
+def test_bad_input(client, body, status, fragment):
+    if isinstance(body, bytes):
+        r = client.post("/translate", content=body, headers={"content-type": "application/json"})
+    else:
+        r = client.post("/translate", json=body)
+    assert r.status_code == status, r.text
+    assert fragment in error_of(r)
+
+
+def test_bad_input_details(client, english, alone):
+    # a line over the limit names its length and the limit
+    message = error_of(client.post("/translate", json={"text": ["a", LONG]}))
+    assert "more than model tiny's limit of 256" in message
+
+    # a body streamed without Content-Length is counted as it comes
+    def streamed():
+        yield b'{"text": "'
+        for _ in range(10):
+            yield b"a " * 500
+        yield b'"}'
+
+    r = client.post("/translate", content=streamed())
+    assert r.status_code == 413 and "larger than" in error_of(r)
+    # unknown paths and methods answer in JSON too
+    assert "no such endpoint" in error_of(client.get("/nowhere"))
+    assert "GET is not allowed" in error_of(client.get("/translate"))
+    # JSON sent without a JSON content type (curl -d) is read all the same
+    r = client.post("/translate", content=json.dumps({"text": english[0]}))
+    assert texts(r.json()) == [alone(english[0])[0]]
+
+
+# -- batching, in process --------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def async_client(app):
+    """An httpx client on the app in this event loop, with the app's startup and shutdown."""
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://nmt") as c:
+            yield c
+
+
+def test_concurrent_requests_share_batches_and_keep_their_order(served, english, alone):
+    """Requests arriving within max-wait-ms are decoded in one batch (counted), and each gets
+    its own translations in its own order, as if translated alone."""
+    app = create_app(served, ServeSettings(max_wait_ms=300, workers=1))
+    requests = [english[0:3][::-1], english[3], english[4:6], [english[6], "", english[7]]]
+
+    async def run():
+        async with async_client(app) as c:
+            answers = await asyncio.gather(
+                *(c.post("/translate", json={"text": t, "scores": True}) for t in requests)
+            )
+            stats = (await c.get("/stats")).json()
+            return [a.json() for a in answers], stats
+
+    answers, stats = asyncio.run(run())
+    assert stats["requests"] == 4 and stats["sentences"] == 8
+    assert stats["batches"] == 1 and stats["combined_batches"] == 1
+    for text, answer in zip(requests, answers):
+        lines = [text] if isinstance(text, str) else text
+        for line, got in zip(lines, answer["translations"], strict=True):
+            if line:
+                assert (got["text"], pytest.approx(got["score"], abs=1e-5)) == alone(line)
+            else:
+                assert got == {"text": "", "score": None}
+
+
+def test_a_lone_request_does_not_wait_the_whole_gathering_time(served, english, alone):
+    """A batch starts once nothing has arrived for a fifth of --max-wait-ms: one request is
+    answered long before the 4 s it would otherwise wait for company."""
+    app = create_app(served, ServeSettings(max_wait_ms=4000, workers=1))
+
+    async def run():
+        async with async_client(app) as c:
+            t0 = time.perf_counter()
+            r = await c.post("/translate", json={"text": english[0]})
+            return r.json(), time.perf_counter() - t0
+
+    answer, seconds = asyncio.run(run())
+    assert texts(answer) == [alone(english[0])[0]]
+    assert 0.8 <= seconds < 3.0  # the 0.8 s quiet gap, then the decode
+
+
+def test_two_idle_threads_share_what_is_waiting(served, english, alone):
+    """8 sentences waiting and 2 idle decoding threads: 2 batches of 4 decoded at once, not
+    one of 8 beside an idle core."""
+    app = create_app(served, ServeSettings(max_wait_ms=300, workers=2))
+
+    async def run():
+        async with async_client(app) as c:
+            answers = await asyncio.gather(
+                *(c.post("/translate", json={"text": line}) for line in english[:8])
+            )
+            return [a.json() for a in answers], (await c.get("/stats")).json()
+
+    answers, stats = asyncio.run(run())
+    assert [texts(a) for a in answers] == [[alone(line)[0]] for line in english[:8]]
+    assert stats["batches"] == 2 and stats["largest_batch"] == 4
+
+
+def test_a_long_request_does_not_hold_short_ones_back(served, english, alone):
+    """With room for 4 of the longest sentences a batch, a short request sent after a long one
+    is answered within the next batch or two, while the long one is still being decoded."""
+    beam = served[0].loaded.config.decode.beam
+    longest = max(len(ids) for ids in served[0].tokenizer.encode_src(english)) + 1
+    budget = 4 * longest * beam
+    app = create_app(served, ServeSettings(max_batch_tokens=budget, max_wait_ms=0, workers=1))
+    finished: list[str] = []
+
+    async def run():
+        async with async_client(app) as c:
+
+            async def send(name: str, text, delay: float):
+                await asyncio.sleep(delay)
+                r = await c.post("/translate", json={"text": text})
+                finished.append(name)
+                return r.json(), app.state.nmt.batcher.stats.as_dict()  # batches by now
+
+            return await asyncio.gather(
+                send("long", english[:40], 0), send("short", english[0], 0.05)
+            )
+
+    (long_answer, long_stats), (short_answer, short_stats) = asyncio.run(run())
+    assert finished == ["short", "long"]
+    assert texts(short_answer) == [alone(english[0])[0]]
+    assert texts(long_answer) == [alone(line)[0] for line in english[:40]]
+    assert long_stats["batches"] >= 5  # 41 sentences, 4 to 8 a batch (by their lengths)
+    assert short_stats["batches"] <= 3  # the long one's first batch or two, then its own
+
+
+class Poisoned:
+    """An engine that fails on one line: a decoding error inside a batch of others."""
+
+    def __init__(self, engine, poison: str) -> None:
+        self.engine, self.poison = engine, poison
+
+    def translate(self, lines, opts):
+        if self.poison in lines:
+            raise RuntimeError(f"cannot decode {self.poison!r}")
+        return self.engine.translate(lines, opts)
+
+
+def test_a_decoding_error_fails_its_request_alone(served, english, alone, caplog):
+    poison = english[9]
+    tiny = dataclasses.replace(served[0], engine=Poisoned(served[0].engine, poison))
+    app = create_app([tiny], ServeSettings(max_wait_ms=300, workers=1))
+    requests = [english[0], [english[1], poison], english[2:4]]
+
+    async def run():
+        async with async_client(app) as c:
+            first = await asyncio.gather(
+                *(c.post("/translate", json={"text": t}) for t in requests)
+            )
+            after = await c.post("/translate", json={"text": english[5]})
+            return first, after, (await c.get("/stats")).json()
+
+    with caplog.at_level(logging.ERROR, logger="nmt.serve"):
+        (good1, bad, good2), after, stats = asyncio.run(run())
+    assert bad.status_code == 500
+    assert bad.json() == {
+        "error": "decoding this request failed; the server's log has the traceback"
+    }
+    assert texts(good1.json()) == [alone(english[0])[0]]
+    assert texts(good2.json()) == [alone(line)[0] for line in english[2:4]]
+    assert texts(after.json()) == [alone(english[5])[0]]
+    assert stats["failed_requests"] == 1
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "Traceback" in logged and f"cannot decode {poison!r}" in logged
+
+
+# -- a real uvicorn process ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, timeout: float = 30) -> httpx.Response:
+    return httpx.get(url, timeout=timeout)
+
+
+@contextlib.contextmanager
+def nmt_server(*args, ready: bool = True):
+    """`nmt serve ARGS --port P` in a subprocess: (process, base URL) once /ready says 200."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nmt", "serve", *map(str, args), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "COLUMNS": "400"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while ready:
+            assert proc.poll() is None, proc.communicate()[1]
+            with contextlib.suppress(httpx.TransportError):
+                if get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the server was not ready in 120 s"
+            time.sleep(0.1)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(runs):
+    with nmt_server(
+        f"tiny={runs['tiny']}",
+        f"s2s={runs['s2s']}",
+        *FP32,
+        "--max-lines",
+        "8",
+        "--max-wait-ms",
+        "150",  # the clients of a test arrive within it, even on a busy machine
+    ) as (proc, url):
+        yield url
+
+
+def post_all(url: str, bodies: list) -> list[httpx.Response]:
+    """Each body POSTed to /translate by its own thread, all at once."""
+    answers: list = [None] * len(bodies)
+    barrier = threading.Barrier(len(bodies))
+
+    def send(i: int) -> None:
+        with httpx.Client(timeout=120) as c:
+            barrier.wait()
+            if isinstance(bodies[i], bytes):
+                answers[i] = c.post(f"{url}/translate", content=bodies[i])
+            else:
+                answers[i] = c.post(f"{url}/translate", json=bodies[i])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return answers
+
+
+def test_real_server_endpoints(server, client, english):
+    assert get(f"{server}/health").json() == {"status": "ok"}
+    assert get(f"{server}/models").json() == client.get("/models").json()
+    body = {"text": english[:4], "scores": True, "beam": 2}
+    r = httpx.post(f"{server}/translate", json=body, timeout=60)
+    assert r.json() == client.post("/translate", json=body).json()
+    assert 'id="source"' in get(server).text
+    assert "/translate" in get(f"{server}/openapi.json").json()["paths"]
+
+
+def test_real_server_batches_concurrent_clients_amid_bad_ones(server, english, alone):
+    """16 clients at once, each one sentence, among 8 bad requests: every good one gets its
+    own translation, every bad one its 4xx, and the sentences share batches."""
+    before = get(f"{server}/stats").json()
+    good = [{"text": line} for line in english[:16]]
+    bad = [b"{text", {"text": []}, {"text": "a", "beam": "x"}, {"text": ["a"] * 9}]
+    bad += [{"text": "a", "model": "nope"}, {"text": LONG}, {"text": "a", "beam": 0}, [1]]
+    order = list(range(len(good) + len(bad)))
+    random.Random(0).shuffle(order)
+    bodies = [(good + bad)[i] for i in order]
+    answers = dict(zip(order, post_all(server, bodies)))
+    for i in range(len(good)):
+        assert answers[i].status_code == 200, answers[i].text
+        assert texts(answers[i].json()) == [alone(english[i])[0]]
+    for i in range(len(good), len(good) + len(bad)):
+        error_of(answers[i])
+    after = get(f"{server}/stats").json()
+    assert after["sentences"] - before["sentences"] == 16
+    assert after["batches"] - before["batches"] < 16  # some requests were decoded together
+    assert after["combined_batches"] > before["combined_batches"]
+
+
+def test_sigterm_answers_the_requests_in_flight_and_exits_0(runs, english, alone):
+    """SIGTERM while 8 requests wait in the queue (for 3 s, --max-wait-ms): new connections
+    are refused at once, each of the 8 still gets its translation, the process exits 0."""
+    with nmt_server(runs["tiny"], *FP32, "--max-wait-ms", "3000", "--workers", "1") as (proc, url):
+        results: list = []
+        threads = [
+            threading.Thread(
+                target=lambda line=line: results.append(
+                    httpx.post(f"{url}/translate", json={"text": line}, timeout=60)
+                )
+            )
+            for line in english[:8]
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while get(f"{url}/stats").json()["queued_sentences"] < 8:  # all 8 in the queue
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        with pytest.raises(httpx.ConnectError):  # no longer accepting...
+            while time.monotonic() < deadline:
+                httpx.get(f"{url}/health", timeout=5)
+                time.sleep(0.02)
+        assert not results  # ...while the 8 requests still wait for their batch
+        for t in threads:
+            t.join(60)
+        assert proc.wait(60) == 0
+        stderr = proc.stderr.read()
+    assert "Traceback" not in stderr
+    assert sorted(texts(r.json())[0] for r in results) == sorted(
+        alone(line)[0] for line in english[:8]
+    )
+
+
+# -- the command's own errors: one line, exit 2 ------------------------------------------------------
+
+
+def test_serve_command_errors(runs, tmp_path):
+    missing = tmp_path / "nowhere"
+    assert f"no such run directory or checkpoint: {missing}" in one_line_error(
+        nmt_cli("serve", missing)
+    )
+    assert "--max-wait-ms must be >= 0" in one_line_error(
+        nmt_cli("serve", runs["tiny"], "--max-wait-ms", "-1")
+    )
+    assert "unknown precision 'fp64'" in one_line_error(
+        nmt_cli("serve", runs["tiny"], "--precision", "fp64")
+    )
+    assert "two models are called 'x'" in one_line_error(
+        nmt_cli("serve", f"x={runs['tiny']}", f"x={runs['s2s']}")
+    )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        message = one_line_error(nmt_cli("serve", runs["tiny"], "--port", port))
+    assert f"cannot listen on 127.0.0.1:{port}" in message and "choose another --port" in message
+
+
+def test_serve_a_corrupt_checkpoint(runs, tmp_path):
+    """Found while loading, after the server started: it stops, one error line, exit 2."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(runs["tiny"], copy, ignore=shutil.ignore_patterns("step-*.pt", "translations"))
+    (copy / "checkpoints" / "best.pt").write_bytes(b"this is not a checkpoint\n" * 100)
+    with nmt_server(copy, ready=False) as (proc, _):
+        _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2, stderr
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and str(copy / "checkpoints" / "best.pt") in last
+
+
+def test_without_the_serve_extra(runs):
+    """No fastapi: one line naming the pip command; other commands never import it."""
+    code = (
+        "import sys; sys.modules['fastapi'] = None; sys.argv = ['nmt', 'serve', sys.argv[1]]; "
+        "import nmt.cli; nmt.cli.main()"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(runs["tiny"])], capture_output=True, text=True, timeout=120
+    )
+    assert "pip install 'nmt[serve]'" in one_line_error(result)
+    probe = "import sys, nmt.cli; print(sorted({'fastapi', 'uvicorn'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# -- the page in a real browser ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """Debian's Chromium, headless, driven by Playwright (its own browser downloads are not
+    used), with a fresh profile and no background connections."""
+    if not CHROMIUM.is_file():
+        pytest.skip(f"no browser: {CHROMIUM} is missing (apt-get install chromium; .ci/run does)")
+    playwright = pytest.importorskip("playwright.sync_api", reason="the dev extra's playwright")
+    with playwright.sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("chromium-profile")),
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
+        yield context
+        context.close()
+
+
+def test_the_page_translates_and_draws_the_attention(browser, server, english, alone, tmp_path):
+    page = browser.new_page()
+    page.goto(server)
+    page.wait_for_selector("#translate:not([disabled])", timeout=30_000)
+    assert page.input_value("#beam") == "3"  # the model's decode.beam
+    page.fill("#source", english[2])
+    page.click("#translate")
+    page.wait_for_selector("#output .translation", timeout=30_000)
+    assert page.inner_text("#output .translation") == alone(english[2])[0]
+    assert page.inner_text("#output .score").startswith("score -")
+    image = page.wait_for_selector("#heatmap img", timeout=30_000)
+    assert page.evaluate("(img) => img.complete && img.naturalWidth > 100", image)
+    page.screenshot(path=str(tmp_path / "page.png"), full_page=True)
+
+    # n-best on request; the model without attention says so
+    page.select_option("#model", "s2s")
+    page.fill("#beam", "3")
+    page.fill("#nbest", "3")
+    page.click("#translate")
+    page.wait_for_selector("#output ol.nbest li:nth-child(3)", timeout=30_000)
+    assert "has no attention" in page.inner_text("#heatmap")
+    assert page.query_selector("#heatmap img") is None
+
+    # an error from the server is shown, not thrown (beam 0 the form itself refuses)
+    page.fill("#beam", "2")
+    page.click("#translate")
+    page.wait_for_function("document.getElementById('error').textContent.length > 0")
+    assert "decode.nbest" in page.inner_text("#error")
+    page.close()
