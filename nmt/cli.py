@@ -866,6 +866,12 @@ def serve(
         help="How long a batch waits for more sentences (or a fifth of it with no new one).",
     ),
     precision: str | None = typer.Option(None, "--precision", help="fp32, bf16, fp16 or auto."),
+    engine: str = typer.Option("nmt", "--engine", help=ENGINE_HELP),
+    quantization: str | None = typer.Option(None, "--quantization", help=QUANTIZATION_HELP),
+    length_penalty: float | None = typer.Option(
+        None, "--length-penalty", help="Default alpha (requests may set theirs)."
+    ),
+    length_norm: str | None = typer.Option(None, "--length-norm", help=LENGTH_NORM_HELP),
     workers: int = typer.Option(
         0, "--workers", help="Batches decoded at once on CPU (0 = auto: 2 with 2+ threads)."
     ),
@@ -890,8 +896,18 @@ def serve(
         workers=workers,
         max_lines=max_lines,
         max_body_bytes=max_body_kb * 1024,
+        decode=tuple(_decode_overrides(length_penalty=length_penalty, length_norm=length_norm)),
     )
-    server.serve(server.model_specs(runs), settings, host, port, resolve_device(device), precision)
+    server.serve(
+        server.model_specs(runs),
+        settings,
+        host,
+        port,
+        resolve_device(device),
+        precision,
+        engine,
+        quantization,
+    )
 
 
 def _click_errors() -> tuple[type[Exception], ...]:

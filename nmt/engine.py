@@ -30,9 +30,10 @@ others with one line. What matches, and why (CTranslate2's src/decoding.cc, v4.8
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,9 +43,10 @@ from nmt import NMTError
 from nmt.config import Config
 from nmt.data.tokenizer import Tokenizer
 from nmt.device import resolve_precision
+from nmt.models.base import fixed_weights
 from nmt.search import Hypothesis, SearchOptions, length_limits, length_penalty
 from nmt.special import EOS_ID
-from nmt.translate import decode_workers, load_models, translate_lines
+from nmt.translate import decode_workers, load_models, model_facts, translate_lines
 
 ENGINES = ("nmt", "ctranslate2")
 
@@ -57,9 +59,16 @@ class Engine(Protocol):
     run_dir: Path  # the run the model comes from (an ensemble's first run)
     checkpoints: list[Path]  # the checkpoint file(s) decoded: several for an ensemble
     arch: str  # what decodes: an architecture, or the members' joined by "+"
+    name: str  # the engine: "nmt" or "ctranslate2"
+    precision: str  # what it computes in: nmt's precision, CTranslate2's quantization
+    facts: dict[str, Any]  # parameters, checkpoint step, best validation BLEU (`model_facts`)
 
     def check(self, opts: SearchOptions) -> None:
         """Raise `NMTError` (one line) for settings this engine cannot honour."""
+
+    def held(self) -> contextlib.AbstractContextManager:
+        """While a caller decodes many batches with fixed weights (a server): whatever the
+        engine keeps ready for them."""
 
     def translate(
         self,
@@ -85,9 +94,17 @@ class NMTEngine:
     precision: str
     checkpoints: list[Path]
     arch: str
+    facts: dict[str, Any]
+    name: str = "nmt"
 
     def check(self, opts: SearchOptions) -> None:
         pass
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The weights packed for the decoder once (`fixed_weights`), not at every call."""
+        with fixed_weights(self.model):
+            yield
 
     def translate(
         self,
@@ -138,6 +155,9 @@ class CT2Engine:
         self.run_dir = Path(stamp["run_dir"])
         self.checkpoints = [Path(stamp["checkpoint"]["path"])]
         self.arch = "transformer"
+        self.name = "ctranslate2"
+        self.precision = quantization
+        self.facts = stamp["model"]
         self.tokenizer = Tokenizer(self.model_dir / "source.spm", self.model_dir / "target.spm")
         self.positions = max(export.CT2_POSITIONS, self.config.model.max_positions)
         self._translators: dict[int, Any] = {}
@@ -160,6 +180,9 @@ class CT2Engine:
                 return translator
             self._translators[workers] = translator
         return self._translators[workers]
+
+    def held(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def check(self, opts: SearchOptions) -> None:
         if opts.fixed_len is not None:
@@ -304,6 +327,7 @@ def open_engine(
             prec,
             checkpoints,
             loaded.arch,
+            model_facts(loaded.model, loaded.payload.get("progress", {})),
         )
     if len(paths) > 1:
         raise NMTError(

@@ -42,7 +42,7 @@ from nmt.models.configs import TransformerConfig
 from nmt.models.registry import build_model
 from nmt.run import RunDir
 from nmt.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from nmt.translate import checkpoint_of, read_run
+from nmt.translate import checkpoint_of, model_facts, read_run
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ QUANTIZATIONS = (
 # model.max_positions when larger): CTranslate2 refuses longer inputs and outputs.
 CT2_POSITIONS = 2048
 STAMP = "nmt-export.json"  # in every export: what it was made from
-EXPORT_VERSION = 1  # raised when the export of a given checkpoint changes
+EXPORT_VERSION = 2  # raised when the export of a given checkpoint changes (2: model facts)
 PACKAGES = {
     "ctranslate2": "ctranslate2>=4.8",
     "transformers": "transformers>=5.0",
@@ -102,6 +102,7 @@ class Source:
     tokenizer: Tokenizer
     run_dir: Path
     stamp: dict[str, Any]  # the checkpoint file read (`checkpoint_stamp`)
+    progress: dict[str, Any]  # the checkpoint's training progress (step, validation history)
 
 
 def checkpoint_stamp(path: Path) -> dict[str, Any]:
@@ -140,7 +141,7 @@ def load_source(path: Path) -> Source:
     model.load_state_dict(payload["model"])
     model.eval()
     run_dir = RunDir.tokenizer_of(ckpt, payload.get("run_dir")).parent
-    return Source(ckpt, model, cfg, tokenizer, run_dir, before)
+    return Source(ckpt, model, cfg, tokenizer, run_dir, before, payload.get("progress", {}))
 
 
 def position_table(model: torch.nn.Module, rows: int) -> torch.Tensor:
@@ -244,6 +245,7 @@ def _stamp(source: Source, fmt: str, quantization: str | None) -> dict[str, Any]
         "checkpoint": source.stamp,
         "run_dir": str(source.run_dir.resolve()),
         "config": source.config.to_dict(),
+        "model": model_facts(source.model, source.progress),
     }
 
 

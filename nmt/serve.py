@@ -11,9 +11,10 @@ Decoding: every sentence of every request joins a queue per (model, search optio
 `workers` decoding threads (`Batcher`) each take what arrived within `max_wait_ms`, up to
 `max_batch_tokens` (sentences x longest source x beam, padding included, as `nmt translate`
 packs), a sentence of each waiting request in turn, so a long request is cut into batches
-shared with the requests behind it; threads that are idle at once share what is waiting. A batch goes to the model's `Engine` (nmt's own
-decoding path, `nmt.translate.translate_lines`: sorted by length, searched as it would be
-alone); each request is answered when its last sentence is decoded. The event loop only
+shared with the requests behind it; threads that are idle at once share what is waiting. A
+batch goes to the model's engine (`nmt.engine`, as `nmt translate --engine` picks: nmt's own
+search, sorted by length and searched as it would be alone, or CTranslate2 over the run's
+export); each request is answered when its last sentence is decoded. The event loop only
 parses, validates and waits.
 
 Errors: a client's mistake is a 4xx JSON body `{"error": "one sentence"}`; a decoding error
@@ -37,7 +38,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal
 
 import torch
 from fastapi import FastAPI, Request
@@ -51,16 +52,9 @@ from starlette.exceptions import HTTPException
 from nmt import NMTError, __version__, config
 from nmt.config import Config
 from nmt.device import resolve_precision
-from nmt.models.base import count_parameters, fixed_weights
+from nmt.engine import ENGINES, Engine, NMTEngine, open_engine
 from nmt.search import SearchOptions
-from nmt.translate import (
-    Loaded,
-    attention_of,
-    decode_workers,
-    load_model,
-    search_options,
-    translate_lines,
-)
+from nmt.translate import attention_of, decode_workers, search_options, translate_lines
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +82,7 @@ class ServeSettings:
     max_body_bytes: int = 1 << 20  # request body
     max_beam: int = 32  # larger beams make one request cost as much as hundreds
     max_queued: int = 10_000  # sentences waiting at once; beyond: 503, retry later
+    decode: tuple[str, ...] = ()  # decode.KEY=VALUE defaults for every model (over the run's)
 
     def __post_init__(self) -> None:
         """Values `nmt serve` cannot run with: `NMTError` naming its option."""
@@ -116,51 +111,6 @@ def max_source_tokens(cfg: Config) -> int:
     return limit
 
 
-# -- the engine: the one place a decoder plugs in --------------------------------------------
-
-
-class Engine(Protocol):
-    """Lines + search options -> the n-best (text, score) of every line, best first. A
-    batch of lines comes in at once (packed to the token budget by the `Batcher`); an
-    engine decodes it in the calling thread."""
-
-    def translate(self, lines: list[str], opts: SearchOptions) -> list[NBest]: ...
-
-
-class NmtEngine:
-    """nmt's own decoding path: `nmt.translate.translate_lines`, as `nmt translate` runs it
-    (length-sorted, each batch searched as it would be alone), one batch per call in the
-    calling thread. The weights stay packed for the decoder while the engine is open
-    (`fixed_weights`: they do not change while serving)."""
-
-    def __init__(self, loaded: Loaded, device: torch.device, precision: str) -> None:
-        self.loaded, self.device, self.precision = loaded, device, precision
-        self._scope = contextlib.ExitStack()
-        self._scope.enter_context(fixed_weights(loaded.model))
-
-    def translate(self, lines: list[str], opts: SearchOptions) -> list[NBest]:
-        batch = translate_lines(
-            self.loaded.model,
-            self.loaded.tokenizer,
-            lines,
-            opts,
-            batch_tokens=2**62,  # one batch: the Batcher has packed it
-            device=self.device,
-            precision=self.precision,
-            workers=1,
-        )
-        return [[(text, hyp.score) for text, hyp in nbest] for nbest in batch]
-
-    def close(self) -> None:
-        self._scope.close()
-
-
-def make_engine(loaded: Loaded, device: torch.device, precision: str) -> Engine:
-    """The engine that decodes for a served model. Another engine (say CTranslate2) plugs
-    in here: it takes the same lines and `SearchOptions` and returns the same n-best."""
-    return NmtEngine(loaded, device, precision)
-
-
 # -- served models ------------------------------------------------------------------------
 
 
@@ -183,6 +133,7 @@ class DecodeRequest(BaseModel):
     max_len_a: float | None = None
     max_len_b: int | None = None
     length_penalty: float | None = None
+    length_norm: Literal["gnmt", "plain"] | None = None
     no_repeat_ngram: int | None = None
     ban_unk: bool | None = None
 
@@ -190,25 +141,41 @@ class DecodeRequest(BaseModel):
 @dataclass
 class ServedModel:
     name: str
-    loaded: Loaded
-    device: torch.device
-    precision: str
     engine: Engine
+    config: Config  # the run's, with the server's decode defaults (`nmt serve --length-norm`)
+    device: torch.device
     max_tokens: int  # source tokens per line (`max_source_tokens`)
     has_attention: bool
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.options = lru_cache(maxsize=256)(self._options)
+        self._held = contextlib.ExitStack()
+        self._held.enter_context(self.engine.held())  # weights fixed while serving
+
+    def close(self) -> None:
+        self._held.close()
 
     @property
     def tokenizer(self):
-        return self.loaded.tokenizer
+        return self.engine.tokenizer
+
+    @property
+    def precision(self) -> str:
+        return self.engine.precision
+
+    def translate(self, lines: list[str], opts: SearchOptions) -> list[NBest]:
+        """One batch packed by the `Batcher`, decoded in the calling thread as one batch: its
+        token budget covers the lines at the longest a line may be."""
+        budget = len(lines) * (self.max_tokens + 1) * opts.beam
+        nbest = self.engine.translate(lines, opts, batch_tokens=budget, workers=1)
+        return [[(text, hyp.score) for text, hyp in hyps] for hyps in nbest]
 
     def _options(self, asked: DecodeRequest, max_beam: int) -> SearchOptions:
         """The search options of a request: the run's decode section with the request's
         values on top, checked as `nmt translate` checks its options (`config.replace`,
-        `search_options`); `NMTError` with one sentence when they are not valid."""
+        `search_options`, the engine's `check`); `NMTError` with one sentence when they are
+        not valid."""
         values = asked.model_dump(exclude_none=True)
         if "max_len" in values:
             if "max_len_a" in values or "max_len_b" in values:
@@ -218,19 +185,23 @@ class ServedModel:
             # at most max_len tokens whatever the source length (the limit counts the EOS)
             values["max_len_a"], values["max_len_b"] = 0.0, values.pop("max_len") + 1
         if asked.beam is not None and asked.nbest is None:  # as nmt translate --beam
-            values["nbest"] = min(self.loaded.config.decode.nbest, asked.beam)
-        beam = values.get("beam", self.loaded.config.decode.beam)
+            values["nbest"] = min(self.config.decode.nbest, asked.beam)
+        beam = values.get("beam", self.config.decode.beam)
         if beam > max_beam:
             raise NMTError(f"beam {beam} is larger than this server's limit of {max_beam}")
-        d = config.replace(self.loaded.config, [f"decode.{k}={v}" for k, v in values.items()])
-        return search_options(d.decode)
+        d = config.replace(self.config, [f"decode.{k}={v}" for k, v in values.items()])
+        opts = search_options(d.decode)
+        self.engine.check(opts)
+        return opts
 
     def attention_translation(self, line: str, opts: SearchOptions) -> tuple[NBest, bytes]:
         """The n-best of one line and the PNG heatmap of its 1-best's attention: the picture
         `nmt translate --attention-plot` draws (nmt's own model, forced decoding)."""
         from nmt.plots import attention_heatmap
 
-        model, tok = self.loaded.model, self.loaded.tokenizer
+        if not isinstance(self.engine, NMTEngine):  # has_attention was checked before
+            raise RuntimeError(f"model {self.name} has no attention to draw")
+        model, tok = self.engine.model, self.tokenizer
         with _one_picture:
             nbest = translate_lines(model, tok, [line], opts, 10_000, self.device, self.precision)
             text, hyp = nbest[0][0]
@@ -249,42 +220,58 @@ class ServedModel:
 _one_picture = threading.Lock()
 
 
-def model_info(loaded: Loaded) -> dict[str, Any]:
-    """What /models says about a loaded run."""
-    cfg, progress = loaded.config, loaded.payload.get("progress", {})
-    bleus = [r["bleu"] for r in progress.get("history", []) if r.get("bleu") is not None]
+def model_info(engine: Engine) -> dict[str, Any]:
+    """What /models says about a served model."""
+    cfg = engine.config
     return {
-        "arch": loaded.payload["arch"],
+        "arch": engine.arch,
+        "engine": engine.name,
         "src_lang": cfg.data.src,
         "tgt_lang": cfg.data.tgt,
-        "parameters": count_parameters(loaded.model),
-        "step": progress.get("step"),
-        "best_valid_bleu": max(bleus) if bleus else None,
-        "checkpoint": str(loaded.checkpoint),
-        "beam": cfg.decode.beam,
-        "nbest": cfg.decode.nbest,
+        **engine.facts,  # parameters, step, best_valid_bleu
+        "checkpoint": str(engine.checkpoints[0]),
     }
 
 
-def load_served(spec: ModelSpec, device: torch.device, precision: str | None) -> ServedModel:
-    """Load a model to serve: its run, precision (`precision` or its decode.precision),
-    engine, line limit and whether it has attention."""
-    loaded = load_model(spec.path, device)
-    prec = resolve_precision(precision or loaded.config.decode.precision, device)
-    probe = attention_of(loaded.model, loaded.tokenizer, "a", [], device, prec)
+def has_attention(engine: Engine, device: torch.device) -> bool:
+    """Whether the page can draw the model's attention: nmt's own attentional models."""
+    if not isinstance(engine, NMTEngine):
+        return False
+    probe = attention_of(engine.model, engine.tokenizer, "a", [], device, engine.precision)
+    return probe is not None
+
+
+def load_served(
+    spec: ModelSpec,
+    device: torch.device,
+    precision: str | None,
+    engine: str = "nmt",
+    quantization: str | None = None,
+    decode: tuple[str, ...] = (),
+) -> ServedModel:
+    """Load a model to serve (`nmt.engine.open_engine`): its engine, precision (`precision`
+    or its decode.precision; CTranslate2's `quantization`), default decode settings (the
+    run's with `decode` overrides on top, checked for the engine now rather than at the first
+    request), line limit and whether it has attention."""
+    opened = open_engine([spec.path], engine, device, precision, quantization)
     served = ServedModel(
         name=spec.name,
-        loaded=loaded,
+        engine=opened,
+        config=config.replace(opened.config, list(decode)),
         device=device,
-        precision=prec,
-        engine=make_engine(loaded, device, prec),
-        max_tokens=max_source_tokens(loaded.config),
-        has_attention=probe is not None,
+        max_tokens=max_source_tokens(opened.config),
+        has_attention=has_attention(opened, device),
     )
+    try:
+        served.options(DecodeRequest(), 1 << 30)
+    except NMTError as e:
+        raise NMTError(f"model {spec.name}: {e}") from None
     served.info = {
         "name": spec.name,
-        **model_info(loaded),
-        "precision": prec,
+        **model_info(opened),
+        "beam": served.config.decode.beam,
+        "nbest": served.config.decode.nbest,
+        "precision": opened.precision,
         "attention": served.has_attention,
         "max_line_tokens": served.max_tokens,
     }
@@ -438,7 +425,7 @@ class Batcher:
                     self._busy -= 1
 
     def _budget(self, key: tuple[str, SearchOptions], jobs: deque[Job]) -> int:
-        return self.budget or jobs[0].model.loaded.config.decode.batch_tokens
+        return self.budget or jobs[0].model.config.decode.batch_tokens
 
     def _next_batch(self) -> list[tuple[Job, int]] | None:
         with self._cond:
@@ -500,7 +487,7 @@ class Batcher:
             return
         job0 = batch[0][0]
         try:
-            results = job0.model.engine.translate([job.lines[i] for job, i in batch], job0.opts)
+            results = job0.model.translate([job.lines[i] for job, i in batch], job0.opts)
         except Exception as e:
             requests = {id(job): job for job, _ in batch}
             if len(requests) == 1:
@@ -664,9 +651,7 @@ class ServerState:
         if self.batcher is not None:
             self.batcher.close()
         for m in self.models.values():
-            close = getattr(m.engine, "close", None)
-            if close is not None:
-                close()
+            m.close()
 
     def model(self, name: str | None) -> ServedModel:
         if not self.ready.is_set():
@@ -888,10 +873,13 @@ async def _translate(state: ServerState, req: TranslateRequest) -> dict[str, Any
         if len(lines) != 1 or not todo:
             raise ApiError(422, "attention is drawn for one non-empty line; send one line")
         if not served.has_attention:
+            why = (
+                "it reads the source through one fixed context vector"
+                if served.engine.name == "nmt"
+                else f"{served.engine.name} returns none; serve it with --engine nmt to see it"
+            )
             raise ApiError(
-                422,
-                f"model {served.name} ({served.info['arch']}) has no attention: it reads the "
-                "source through one fixed context vector",
+                422, f"model {served.name} ({served.info['arch']}) has no attention: {why}"
             )
         nbest, png = await run_in_threadpool(served.attention_translation, stripped[0], opts)
         url = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
@@ -1011,6 +999,8 @@ def serve(
     port: int,
     device: torch.device,
     precision: str | None,
+    engine: str = "nmt",
+    quantization: str | None = None,
 ) -> None:
     """Serve `specs` on host:port until SIGTERM or Ctrl-C. The models load in the background
     (/ready says when); a model that fails to load stops the server and its error is raised.
@@ -1022,8 +1012,11 @@ def serve(
 
     import uvicorn
 
+    # bad values fail now, not in the loader
+    if engine not in ENGINES:
+        raise NMTError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
     if precision is not None:
-        resolve_precision(precision, device)  # a bad value fails now, not in the loader
+        resolve_precision(precision, device)
     sock = listening_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     server: uvicorn.Server | None = None
@@ -1033,7 +1026,10 @@ def serve(
             server.should_exit = True
 
     app = create_app(
-        lambda: [load_served(spec, device, precision) for spec in specs],
+        lambda: [
+            load_served(spec, device, precision, engine, quantization, settings.decode)
+            for spec in specs
+        ],
         settings,
         on_load_error=stop_on_error,
     )

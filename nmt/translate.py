@@ -22,7 +22,7 @@ from nmt.config import Config, DecodeConfig, from_dict
 from nmt.data.batching import pack
 from nmt.data.tokenizer import Tokenizer
 from nmt.device import autocast, configure_device
-from nmt.models.base import Vocab, fixed_weights
+from nmt.models.base import Vocab, count_parameters, fixed_weights
 from nmt.models.ensemble import Ensemble
 from nmt.models.registry import build_model
 from nmt.run import RunDir
@@ -45,6 +45,17 @@ class Loaded:
     @property
     def arch(self) -> str:
         return "+".join(m.payload["arch"] for m in self.members) or self.payload["arch"]
+
+
+def model_facts(model: torch.nn.Module, progress: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint's model is, for people choosing one (`nmt serve`'s /models): its
+    parameters, the step it was saved at and its best validation BLEU."""
+    bleus = [r["bleu"] for r in progress.get("history", []) if r.get("bleu") is not None]
+    return {
+        "parameters": count_parameters(model),
+        "step": progress.get("step"),
+        "best_valid_bleu": max(bleus) if bleus else None,
+    }
 
 
 def checkpoint_of(path: Path) -> Path:

@@ -189,7 +189,9 @@ def test_compare_and_average_refuse_a_run_another_process_writes(tmp_path):
     holder = holding(run)
     try:
         with pytest.raises(NMTError, match=f"pid {holder.pid} on "):
-            ensure_trained("transformer", Run(cfg.train.seed, cfg, run), lambda: None, lambda _: None)
+            ensure_trained(
+                "transformer", Run(cfg.train.seed, cfg, run), lambda: None, lambda _: None
+            )
         res = run_cli("average", run, "--last", "2")
         assert res.returncode == 2 and f"pid {holder.pid}" in res.stderr
         assert not (run / "checkpoints" / "averaged.pt").exists()
