@@ -109,6 +109,20 @@ def parse_budget(text: str | None) -> list[str]:
     return [f"train.{k}={amount if k == key else 'null'}" for k in BUDGET_KEYS]
 
 
+def describe_budget(text: str) -> str:
+    """A `--budget` in words: "30 minutes", "2,000 steps", "5,000,000 target tokens"."""
+    for override in parse_budget(text):
+        key, value = override.removeprefix("train.").split("=")
+        if value != "null":
+            unit = {"max_minutes": "minutes", "max_steps": "steps", "max_tokens": "target tokens"}
+            return (
+                f"{float(value):,g} {unit[key]}"
+                if key == "max_minutes"
+                else (f"{int(value):,} {unit[key]}")
+            )
+    return text
+
+
 def system_name(recipe: Path) -> str:
     return Path(recipe).stem
 
@@ -662,7 +676,7 @@ def _vs_best(entry: dict, best: bool) -> str:
 def _markdown(report: dict, results: list[dict], prepared, splits: list[str]) -> str:
     lines = ["# nmt compare", ""]
     if report["budget"]:
-        lines += [f"Training budget: {report['budget']} per run.", ""]
+        lines += [f"Training budget: {describe_budget(report['budget'])} per run.", ""]
     seeds = report["seeds"]
     lines += [
         f"Total training compute: {report['total_train_minutes']:.1f} minutes, "

@@ -16,7 +16,7 @@ import pytest
 import sacrebleu
 
 from nmt import NMTError, checkpoint
-from nmt.compare import parse_budget, plan
+from nmt.compare import describe_budget, parse_budget, plan
 from nmt.run import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -218,11 +218,17 @@ def test_a_minutes_budget_ends_every_run(tmp_path):
     run = report["systems"][0]["runs"][0]
     assert run["finished"] == "reached train.max_minutes=0.003" and run["steps"] >= 1
     assert report["budget_minutes"] == 0.003
-    assert "Training budget: 0.003 per run." in (out / "report.md").read_text()
+    assert "Training budget: 0.003 minutes per run." in (out / "report.md").read_text()
 
 
 def test_budgets_in_minutes_steps_and_tokens():
     assert parse_budget("30") == parse_budget("30min")
+    assert [describe_budget(b) for b in ("30", "2000steps", "5Mtokens", "0.5")] == [
+        "30 minutes",
+        "2,000 steps",
+        "5,000,000 target tokens",
+        "0.5 minutes",
+    ]
     assert "train.max_minutes=30.0" in parse_budget("30")
     steps = parse_budget("2000steps")
     assert "train.max_steps=2000" in steps and "train.max_minutes=null" in steps
