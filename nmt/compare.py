@@ -113,13 +113,11 @@ def describe_budget(text: str) -> str:
     """A `--budget` in words: "30 minutes", "2,000 steps", "5,000,000 target tokens"."""
     for override in parse_budget(text):
         key, value = override.removeprefix("train.").split("=")
-        if value != "null":
-            unit = {"max_minutes": "minutes", "max_steps": "steps", "max_tokens": "target tokens"}
-            return (
-                f"{float(value):,g} {unit[key]}"
-                if key == "max_minutes"
-                else (f"{int(value):,} {unit[key]}")
-            )
+        if value == "null":
+            continue
+        if key == "max_minutes":
+            return f"{float(value):,g} minutes"
+        return f"{int(value):,} " + ("steps" if key == "max_steps" else "target tokens")
     return text
 
 
