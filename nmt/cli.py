@@ -64,6 +64,10 @@ RUN_DIR_HELP = "Run directory (default: runs/<recipe-folder>_<recipe-name>)."
 LENGTH_NORM_HELP = (
     "gnmt: ((5+|y|)/6)^alpha; plain: |y|^alpha (CTranslate2's). Default: decode.length_norm."
 )
+PATIENCE_HELP = (
+    "End a sentence's beam once round(beam x P) hypotheses finished (CTranslate2's rule). "
+    "Default: decode.patience (none: once no open hypothesis can beat the best finished)."
+)
 ENGINE_HELP = "nmt (its own search) or ctranslate2 (the run's CTranslate2 export, made once)."
 QUANTIZATION_HELP = (
     "--engine ctranslate2 weights and compute type: float32 (default), int8, int8_float32, "
@@ -337,6 +341,7 @@ def translate(
         None, "--length-penalty", help="alpha of the length normalisation (0: none)."
     ),
     length_norm: str | None = typer.Option(None, "--length-norm", help=LENGTH_NORM_HELP),
+    patience: float | None = typer.Option(None, "--patience", help=PATIENCE_HELP),
     no_repeat_ngram: int | None = typer.Option(None, "--no-repeat-ngram"),
     ban_unk: bool | None = typer.Option(
         None, "--ban-unk/--allow-unk", help="Never output <unk> (default: decode.ban_unk)."
@@ -380,6 +385,7 @@ def translate(
         max_len_b=max_len_b,
         length_penalty=length_penalty,
         length_norm=length_norm,
+        patience=patience,
         no_repeat_ngram=no_repeat_ngram,
         ban_unk=ban_unk,
     )
@@ -494,6 +500,7 @@ def evaluate(
     beam: int | None = typer.Option(None, "--beam"),
     length_penalty: float | None = typer.Option(None, "--length-penalty"),
     length_norm: str | None = typer.Option(None, "--length-norm", help=LENGTH_NORM_HELP),
+    patience: float | None = typer.Option(None, "--patience", help=PATIENCE_HELP),
     precision: str | None = typer.Option(None, "--precision"),
     engine: str = typer.Option("nmt", "--engine", help=ENGINE_HELP),
     quantization: str | None = typer.Option(None, "--quantization", help=QUANTIZATION_HELP),
@@ -531,7 +538,9 @@ def evaluate(
                 precision,
                 _decode_device(device),
                 bar("translating"),
-                overrides=_decode_overrides(length_penalty=length_penalty, length_norm=length_norm),
+                overrides=_decode_overrides(
+                    length_penalty=length_penalty, length_norm=length_norm, patience=patience
+                ),
                 engine=engine,
                 quantization=quantization,
             )
@@ -542,6 +551,7 @@ def evaluate(
         if hyp is None or not ref:
             raise NMTError("give a run directory (with --split), or --hyp FILE and --ref FILE")
         given = {"--beam": beam, "--length-penalty": length_penalty, "--length-norm": length_norm}
+        given["--patience"] = patience
         given.update({"--precision": precision, "--quantization": quantization})
         given["--engine"] = None if engine == "nmt" else engine
         if any(v is not None for v in given.values()):
@@ -872,6 +882,9 @@ def serve(
         None, "--length-penalty", help="Default alpha (requests may set theirs)."
     ),
     length_norm: str | None = typer.Option(None, "--length-norm", help=LENGTH_NORM_HELP),
+    patience: float | None = typer.Option(
+        None, "--patience", help="Default patience (requests may set theirs). " + PATIENCE_HELP
+    ),
     workers: int = typer.Option(
         0, "--workers", help="Batches decoded at once on CPU (0 = auto: 2 with 2+ threads)."
     ),
@@ -896,7 +909,11 @@ def serve(
         workers=workers,
         max_lines=max_lines,
         max_body_bytes=max_body_kb * 1024,
-        decode=tuple(_decode_overrides(length_penalty=length_penalty, length_norm=length_norm)),
+        decode=tuple(
+            _decode_overrides(
+                length_penalty=length_penalty, length_norm=length_norm, patience=patience
+            )
+        ),
     )
     server.serve(
         server.model_specs(runs),

@@ -697,7 +697,9 @@ def _markdown(report: dict, results: list[dict], prepared, splits: list[str]) ->
         ]
     d = report["decode"]
     lines += [
-        f"Decoding: beam {d['beam']}, length penalty {d['length_penalty']}, max length {d['max_len_a']}·|x|+{d['max_len_b']}.",
+        f"Decoding: beam {d['beam']}, length penalty {d['length_penalty']} "
+        f"({d.get('length_norm', 'gnmt')}), max length {d['max_len_a']}·|x|+{d['max_len_b']}"
+        + (f", patience {d['patience']}." if d.get("patience") is not None else "."),
         "",
         f"Significance: {report['significance']}.",
         "",

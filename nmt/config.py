@@ -215,6 +215,10 @@ class DecodeConfig:
     min_len: int = 1
     no_repeat_ngram: int = 0
     ban_unk: bool = False  # never output <unk> (the tokenizer's piece for unseen characters)
+    # When beam search ends a sentence: null, once no live hypothesis can beat its `beam` best
+    # finished ones (exact); P, once round(beam * P) hypotheses have finished (CTranslate2's
+    # `patience`; `--engine ctranslate2` uses 1 when this is null).
+    patience: float | None = None
     batch_tokens: int = 6000
     workers: int = 0  # batches decoded at once on CPU, sharing the cores; 0 = auto
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
@@ -232,6 +236,11 @@ class DecodeConfig:
             "must be >= 0 (beam search stops early on a bound that holds for alpha >= 0)",
         )
         _check(self.no_repeat_ngram >= 0, "decode.no_repeat_ngram", "must be >= 0 (0 = off)")
+        _check(
+            self.patience is None or self.patience > 0,
+            "decode.patience",
+            "must be > 0, or null for the exact stopping rule",
+        )
 
 
 @dataclass(frozen=True)
@@ -279,6 +288,7 @@ class Config:
 # (section, key) of options added after runs were made, with the value those runs had.
 LATER_KEYS: dict[tuple[str, str], Any] = {
     ("decode", "length_norm"): "gnmt",
+    ("decode", "patience"): None,
     ("train", "max_tokens"): None,
     ("train", "deterministic"): False,
     ("train", "tf32"): True,

@@ -18,11 +18,12 @@ others with one line. What matches, and why (CTranslate2's src/decoding.cc, v4.8
   `length_norm: plain`. Beam search with gnmt and alpha != 0 is refused; greedy search asks
   CTranslate2 for raw log-probabilities and normalises them as nmt does, either way.
 - beam search: both expand the 2K best candidates of the K hypotheses of a sentence, put the
-  EOS ones among the top K aside as finished and keep the K best others. nmt stops a sentence
-  when no live hypothesis can beat its K-th finished one; CTranslate2 stops once K hypotheses
-  have finished (length_penalty != 0) or when its best candidate ends (length_penalty 0,
-  which therefore finds the same best hypothesis). With a length penalty a hypothesis that
-  finishes after CTranslate2 stopped can win in nmt.
+  EOS ones among the top K aside as finished and keep the K best others. With
+  `decode.patience` P both stop a sentence once round(K*P) hypotheses have finished
+  (length_penalty != 0) or when its best candidate has ended (length_penalty 0): the same
+  search. nmt's default (patience null) stops a sentence only when no live hypothesis can beat
+  its K-th finished one, a rule CTranslate2 does not have: it then decodes with patience 1, and
+  with a length penalty a hypothesis that finishes after CTranslate2 stopped can win in nmt.
 - constraints (min_len, ban_unk, no_repeat_ngram, no PAD or BOS): the same tokens are
   excluded, but CTranslate2 removes them before its softmax and nmt after, so beam scores
   differ by the probability the excluded tokens had (greedy choices are the same).
@@ -201,7 +202,8 @@ class CT2Engine:
         beam = 1 if opts.sample else opts.beam
         kwargs: dict[str, Any] = {
             "beam_size": beam,
-            "patience": 1,
+            # CTranslate2 has no exact stopping rule: its default for nmt's (patience None)
+            "patience": 1 if opts.patience is None else opts.patience,
             "num_hypotheses": min(opts.nbest, beam),
             # greedy: raw log-probabilities, normalised here as nmt normalises them
             "length_penalty": opts.length_penalty if beam > 1 else 0.0,

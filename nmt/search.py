@@ -62,6 +62,10 @@ class SearchOptions:
     top_p: float = 1.0
     seed: int = 0
     fixed_len: int | None = None  # benchmark mode: exactly this many tokens, EOS forbidden
+    # When beam search ends a sentence (`ends_after`): None, once no live hypothesis can beat
+    # its K best finished ones (exact); P, once round(K * P) hypotheses have finished
+    # (CTranslate2's and fairseq's rule; with length_penalty 0 once its best candidate ends).
+    patience: float | None = None
 
 
 class SearchStopped(Exception):
@@ -87,6 +91,14 @@ def length_penalty(length: Tensor | float, opts: SearchOptions) -> Tensor | floa
     if opts.length_norm == "plain":
         return length**opts.length_penalty
     return ((5.0 + length) / 6.0) ** opts.length_penalty
+
+
+def ends_after(opts: SearchOptions) -> int | None:
+    """How many finished hypotheses end a sentence under `opts.patience` (rounded half away
+    from zero, as CTranslate2 rounds); None for the exact stopping rule."""
+    if opts.patience is None:
+        return None
+    return math.floor(opts.beam * opts.patience + 0.5)
 
 
 def max_lengths(src_mask: Tensor, opts: SearchOptions) -> Tensor:
@@ -258,7 +270,9 @@ def beam_search(
     Each step ranks the top 2K expansions of the K live hypotheses of every sentence: those
     ending in EOS (among the top K) enter the sentence's pool of K finished hypotheses, the
     best K others stay live. A sentence is done when its worst pooled hypothesis beats the
-    best score any live hypothesis could still reach; done sentences leave the batch.
+    best score any live hypothesis could still reach, or with `opts.patience` once
+    round(K * patience) hypotheses have finished (without a length penalty: once its best
+    candidate has ended, and n-best ones); done sentences leave the batch.
     """
     k = opts.beam
     b = src.size(0)
@@ -275,6 +289,10 @@ def beam_search(
     pool_raw = torch.full((b, k), NEG, device=device)
     pool_tok = torch.full((b, k, max_t), PAD_ID, dtype=torch.long, device=device)
     arange_k = torch.arange(k, device=device)
+    quota = ends_after(opts)
+    if quota is not None:
+        finished = torch.zeros(b, dtype=torch.long, device=device)  # hypotheses that ended
+        best_ended = torch.zeros(b, dtype=torch.bool, device=device)  # a best candidate ended
     for t in range(max_t):
         _check(stop)
         out, state = model.step(prev, state)
@@ -304,6 +322,9 @@ def beam_search(
             pool_norm[alive] = best
             pool_raw[alive] = merged_raw.gather(1, pick)
             pool_tok[alive] = merged_tok.gather(1, pick[:, :, None].expand(-1, -1, max_t))
+            if quota is not None:
+                finished[alive] += fin.sum(1)
+                best_ended[alive] |= fin[:, 0]
 
         # Live: the K best non-EOS expansions.
         live_scores, live = torch.where(is_eos, NEG, top).topk(k, dim=1)  # [b,K]
@@ -316,9 +337,16 @@ def beam_search(
         width = k
         prev = sel_tok
 
-        # Done: no live hypothesis can beat the worst pooled one (exact bound for alpha >= 0).
-        bound = scores.max(1).values / length_penalty(limit[alive].float(), opts)
-        done = (pool_norm[alive, -1] >= bound) | ~torch.isfinite(scores.max(1).values)
+        # Done: no live hypothesis can beat the worst pooled one (exact bound for alpha >= 0),
+        # or the patience quota of finished hypotheses is reached.
+        if quota is None:
+            bound = scores.max(1).values / length_penalty(limit[alive].float(), opts)
+            done = pool_norm[alive, -1] >= bound
+        elif opts.length_penalty == 0:
+            done = best_ended[alive] & (finished[alive] >= opts.nbest)
+        else:
+            done = finished[alive] >= quota
+        done = done | ~torch.isfinite(scores.max(1).values)
         if done.any():
             keep = (~done).nonzero().flatten()
             if keep.numel() == 0:

@@ -134,6 +134,7 @@ class DecodeRequest(BaseModel):
     max_len_b: int | None = None
     length_penalty: float | None = None
     length_norm: Literal["gnmt", "plain"] | None = None
+    patience: float | None = None
     no_repeat_ngram: int | None = None
     ban_unk: bool | None = None
 
@@ -533,9 +534,9 @@ class TranslateRequest(DecodeRequest):
     """POST /translate. `text`: one line or a list of lines (each translated alone, answers
     in the same order); `model`: a served model's name (default: the first one); decoding
     options as `nmt translate`'s (beam, nbest, max_len_a, max_len_b, length_penalty,
-    no_repeat_ngram, ban_unk), and `max_len`: at most this many output tokens; `scores`: add
-    each translation's score; `attention`: add the PNG heatmap of the 1-best's attention
-    (one line only)."""
+    length_norm, patience, no_repeat_ngram, ban_unk), and `max_len`: at most this many output
+    tokens; `scores`: add each translation's score; `attention`: add the PNG heatmap of the
+    1-best's attention (one line only)."""
 
     text: str | list[str]
     model: str | None = None

@@ -26,7 +26,7 @@ from nmt.models.base import Vocab, count_parameters, fixed_weights
 from nmt.models.ensemble import Ensemble
 from nmt.models.registry import build_model
 from nmt.run import RunDir
-from nmt.search import Hypothesis, SearchOptions, force_decode, search
+from nmt.search import Hypothesis, SearchOptions, ends_after, force_decode, search
 from nmt.special import EOS_ID, PAD_ID
 
 log = logging.getLogger(__name__)
@@ -170,12 +170,19 @@ def search_options(
         top_p=top_p,
         seed=seed,
         fixed_len=fixed_len,
+        patience=d.patience,
     )
+    quota = ends_after(opts)
     for ok, problem in (
         (opts.beam >= 1, f"the beam size must be >= 1 (got {opts.beam})"),
         (opts.temperature > 0, f"--temperature must be > 0 (got {opts.temperature})"),
         (0 < opts.top_p <= 1, f"--top-p must be in (0, 1] (got {opts.top_p})"),
         (opts.top_k >= 0, f"--top-k must be >= 0, 0 = no top-k filter (got {opts.top_k})"),
+        (
+            quota is None or opts.beam == 1 or quota >= opts.nbest,
+            f"with beam {opts.beam} and patience {opts.patience} a sentence ends after {quota} "
+            f"finished hypotheses, fewer than the n-best {opts.nbest}: raise --patience",
+        ),
     ):
         if not ok:
             raise NMTError(problem)

@@ -15,6 +15,13 @@ Commands:
   NMT_DATA_DIR=../shared/data python scripts/bench_export.py --run runs/multi30k_transformer
   ... --run runs/multi30k_transformer_marian --quantizations float32 int8 int8_float32
   ... --run RUN --beam 1 --limit 200        # greedy, a quick look
+  ... --run RUN --patience 1               # every system on CTranslate2's stopping rule
+
+--patience P (decode.patience) ends a sentence's beam once round(beam * P) hypotheses have
+finished, in nmt and CTranslate2 alike (transformers: early_stopping=True, for P = 1 only).
+Without it nmt ends a sentence when no open hypothesis can beat its best finished ones,
+CTranslate2 after beam finished hypotheses (patience 1), transformers as nmt
+(early_stopping="never").
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split", default="test_2016_flickr")
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--quantizations", nargs="+", default=None, help="default: all the CPU runs")
+    p.add_argument("--patience", type=float, default=None, help="decode.patience (default: none)")
     p.add_argument("--hf", choices=("auto", "off"), default="auto")
     p.add_argument("--limit", type=int, default=None, help="first N sentences only")
     p.add_argument("--batch-size", type=int, default=64, help="transformers' batch (sentences)")
@@ -71,7 +79,7 @@ def hf_translate(directory: Path, lines: list[str], opts, batch_size: int) -> li
                     num_beams=opts.beam,
                     do_sample=False,
                     length_penalty=opts.length_penalty,
-                    early_stopping="never",
+                    early_stopping="never" if opts.patience is None else True,
                     max_new_tokens=max(1, limit - 1),
                 )
             for i, text in zip(part, tokenizer.batch_decode(generated, skip_special_tokens=True)):
@@ -99,7 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
     split = prepare(cfg).split(args.split)
     n = min(args.limit or len(split), len(split))
     lines, refs = split.texts("src")[:n], split.texts("tgt")[:n]
-    d = dataclasses.replace(cfg.decode, beam=args.beam, nbest=1, length_norm="plain")
+    d = dataclasses.replace(
+        cfg.decode, beam=args.beam, nbest=1, length_norm="plain", patience=args.patience
+    )
     opts = search_options(d, nbest=1)
     rows, reference = [], None
 
@@ -131,7 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
         engine.translate(lines[:8], opts, d.batch_tokens)  # loads the model (untimed)
         hyps, seconds = timed(lambda e=engine: e.translate(lines, opts, d.batch_tokens))
         add(f"ctranslate2 {q}", [nb[0][0] if nb else "" for nb in hyps], seconds)
-    if args.hf != "off" and export.marian_problem(cfg.model) is None:
+    if args.hf != "off" and args.patience not in (None, 1):
+        print("note: no Hugging Face row: transformers stops at beam finished hypotheses only")
+    elif args.hf != "off" and export.marian_problem(cfg.model) is None:
         with tempfile.TemporaryDirectory(prefix="bench_export_") as tmp:
             export.export_hf(run, Path(tmp) / "hf")
             hyps, seconds = timed(
@@ -150,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
             ("sentences_per_s", "sent/s"),
         ],
         title=f"{run.name}: {n} {args.split} sentences, beam {args.beam}, length_norm plain, "
-        f"alpha {d.length_penalty}",
+        f"alpha {d.length_penalty}, patience {d.patience}",
     )
     result = {"benchmark": "bench_export", "args": vars(args), "rows": rows}
     bu.write_json(args.json, result)

@@ -491,7 +491,7 @@ def test_length_norm_defaults_to_gnmt_and_reaches_the_search():
 
 def test_the_config_digest_names_a_config_as_before_the_later_options():
     """`nmt compare` names run folders by `Config.digest`: a config at the defaults of the
-    options added since (decode.length_norm, train.max_tokens, deterministic, tf32,
+    options added since (decode.length_norm, decode.patience, train.max_tokens, deterministic, tf32,
     dist_timeout_minutes) keeps the digest it had before they existed (the hash of its YAML
     without those keys), so compare reuses runs made by earlier versions; another value of
     any of them changes it."""
@@ -502,12 +502,14 @@ def test_the_config_digest_names_a_config_as_before_the_later_options():
     cfg = from_dict(BASE)
     before = cfg.to_dict()
     del before["decode"]["length_norm"]
+    del before["decode"]["patience"]
     for key in ("max_tokens", "deterministic", "tf32", "dist_timeout_minutes"):
         del before["train"][key]
     text = yaml.safe_dump(before, sort_keys=False, allow_unicode=True)
     assert cfg.digest() == hashlib.sha256(text.encode()).hexdigest()[:8]
     for change in (
         "decode.length_norm=plain",
+        "decode.patience=1",
         "train.max_tokens=5000",
         "train.deterministic=true",
         "train.tf32=false",

@@ -232,6 +232,33 @@ def test_ctranslate2_beam_search_finds_nmts_translations(runs, sources):
             assert len(b) == len(a) == 3
 
 
+def test_ctranslate2_beam_search_with_nmts_patience_is_the_same_search(runs, sources):
+    """decode.patience P: both end a sentence once round(5*P) hypotheses finished (alpha 0:
+    once the best candidate ended), so the 1-best and its score are the same, and the n-best
+    lists where no hypothesis reaches the length limit (there nmt scores the EOS it forces and
+    CTranslate2 no EOS, which can order such hypotheses differently)."""
+    run = runs("pre-sinusoidal-tied")
+    ours_engine, ct2 = nmt_engine(run), open_engine([run], "ctranslate2", CPU)
+    lines = sources[:40]
+    lengths = torch.tensor([len(s) + 1 for s in ours_engine.tokenizer.encode_src(lines)])
+    for alpha, patience in ((1.0, 1.0), (1.0, 1.5), (1.0, 2.0), (0.0, 1.0)):
+        opts = options(
+            run, beam=5, nbest=3, length_penalty=alpha, length_norm="plain", patience=patience
+        )
+        ours = ours_engine.translate(lines, opts, 6000)
+        theirs = ct2.translate(lines, opts, 6000)
+        assert texts(theirs) == texts(ours)
+        free = 0
+        for a, b, limit in zip(ours, theirs, length_limits(lengths, opts).tolist()):
+            assert b[0][1].score == pytest.approx(a[0][1].score, rel=1e-3, abs=0.01)
+            if all(len(h.tokens) < limit - 1 for _, h in a + b):
+                free += 1
+                assert [t for t, _ in b] == [t for t, _ in a]
+                for (_, mine), (_, other) in zip(a, b):
+                    assert other.score == pytest.approx(mine.score, rel=1e-3, abs=0.01)
+        assert free >= len(lines) // 2
+
+
 def test_ctranslate2_honours_the_length_limits_and_constraints(runs, sources):
     """a*|x|+b per sentence (here short enough to cut most outputs), min_len, ban_unk and
     no_repeat_ngram: greedy outputs stay nmt's."""

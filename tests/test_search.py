@@ -392,6 +392,34 @@ def test_finished_sentences_leave_the_batch_beam(trained, monkeypatch, eos):
         assert sizes[-1] < sizes[0]
 
 
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_patience_ends_sentences_sooner_than_the_exact_rule(transformer, monkeypatch, alpha):
+    """One sentence at a time (its step count is the batch's): with patience P a sentence ends
+    once round(K*P) hypotheses finished (alpha 0: once its best candidate ended, whatever P),
+    the same steps as the exact rule up to then, so patience 1 never decodes longer than the
+    exact rule or patience 2 and never finds a better hypothesis; and it does stop sooner."""
+    model = transformer.model
+    recorder = StepRecorder(model)
+    monkeypatch.setattr(model, "step", recorder)
+    steps: dict[float | None, list[int]] = {1.0: [], 2.0: [], None: []}
+    best: dict[float | None, list[float]] = {1.0: [], 2.0: [], None: []}
+    for source in varied(transformer.sources, 12):
+        for patience in steps:
+            recorder.sizes = []
+            opts = dict(beam=4, length_penalty=alpha, length_norm="plain", patience=patience)
+            (hyps,) = decode(model, [source], **opts)
+            steps[patience].append(len(recorder.sizes))
+            best[patience].append(hyps[0].score)
+    for longer in (2.0, None):
+        assert all(a <= b for a, b in zip(steps[1.0], steps[longer]))
+        assert all(a <= b + 1e-5 for a, b in zip(best[1.0], best[longer]))
+    assert sum(steps[1.0]) < sum(steps[None])
+    if alpha == 0:
+        assert steps[1.0] == steps[2.0]
+    else:
+        assert sum(steps[1.0]) < sum(steps[2.0])
+
+
 def test_next_logprobs_are_log_softmax_in_fp32():
     """fp32 CPU logits are overwritten by their log-probs (the search owns a step's output);
     reduced-precision logits give new fp32 log-probs; logits that need a gradient stay."""

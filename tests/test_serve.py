@@ -112,15 +112,16 @@ def test_translate_equals_nmt_translate(client, runs, english):
         assert got["score"] == pytest.approx(float(score), abs=1e-4)
 
 
-def test_nbest_equals_nmt_translate(client, runs, english):
+@pytest.mark.parametrize("patience", [None, 1.5])
+def test_nbest_equals_nmt_translate(client, runs, english, patience):
     lines = english[:3]
-    r = client.post("/translate", json={"text": lines, "beam": 3, "nbest": 3})
+    body = {"text": lines, "beam": 3, "nbest": 3}
+    args = ["--beam", "3", "--nbest", "3", *FP32]
+    if patience is not None:
+        body["patience"], args = patience, [*args, "--patience", str(patience)]
+    r = client.post("/translate", json=body)
     assert r.status_code == 200, r.text
-    cli = ok(
-        nmt_cli(
-            "translate", runs["tiny"], "--beam", "3", "--nbest", "3", *FP32, stdin="\n".join(lines)
-        )
-    )
+    cli = ok(nmt_cli("translate", runs["tiny"], *args, stdin="\n".join(lines)))
     expected = [row.split(" ||| ") for row in cli.stdout.splitlines()]
     got = [
         (i, h["text"], h["score"])
@@ -265,6 +266,7 @@ BAD = [
     ({"text": "a", "max_len": 0}, 422, "max_len must be >= 1"),
     ({"text": "a", "max_len": 5, "max_len_b": 3}, 422, "not both"),
     ({"text": "a", "length_penalty": -1}, 422, "invalid value for decode.length_penalty"),
+    ({"text": "a", "patience": 0}, 422, "invalid value for decode.patience"),
     ({"text": ["a", "b"], "attention": True}, 422, "attention is drawn for one non-empty line"),
     ({"text": "a", "model": "s2s", "attention": True}, 422, "has no attention"),
     ({"text": "a " * 3000}, 413, "larger than this server's limit of 4,096 bytes"),

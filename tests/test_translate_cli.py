@@ -382,6 +382,8 @@ def test_evaluate_missing_file(files, tmp_path):
     [
         (("--precision", "fp64"), "unknown precision 'fp64'"),
         (("--beam", "0"), "beam size must be >= 1"),
+        (("--patience", "0"), "invalid value for decode.patience: must be > 0"),
+        (("--beam", "4", "--patience", "0.1"), "raise --patience"),
     ],
 )
 def test_evaluate_bad_decoding_options(run, args, fragment):
