@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,3 +41,32 @@ def test_autocast_contexts_on_cpu():
         assert (x @ w).dtype == torch.bfloat16
     with autocast(torch.device("cpu"), "fp32"):
         assert (x @ w).dtype == torch.float32
+
+
+KERNELS_AGAIN = """
+import torch
+import nmt.cpu
+w = torch.randn(16, 16, dtype=torch.bfloat16)
+for m in [*range(64, 1164), 64]:  # 1,100 shapes, then the first one again
+    torch.nn.functional.linear(torch.randn(m, 16, dtype=torch.bfloat16), w)
+"""
+
+
+@pytest.mark.parametrize("preset", [None, "1024"])
+def test_onednn_keeps_the_kernels_of_many_batch_shapes(preset):
+    """Importing nmt sets oneDNN's primitive cache to 8,192 kernels (1,024 by default): the
+    kernel of a shape seen 1,100 shapes ago is still cached (oneDNN's own verbose log says
+    so). A capacity the user set is left as it is."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ONEDNN_")}
+    env.update(ONEDNN_VERBOSE="profile_create", OMP_NUM_THREADS="1")
+    if preset is not None:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = preset
+    done = subprocess.run(
+        [sys.executable, "-c", KERNELS_AGAIN], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    created = [line for line in done.stdout.splitlines() if ",create:cache_" in line]
+    if not created:
+        pytest.skip("torch does not run bf16 linear maps through oneDNN on this CPU")
+    last = created[-1]
+    assert ("cache_hit" in last) == (preset is None), last
