@@ -1,9 +1,14 @@
-"""Shared fixtures: real Multi30k data from ../shared/data, an isolated cache per session."""
+"""Shared fixtures: real Multi30k data from ../shared/data, an isolated cache per session;
+and the helpers several test files use: the CLI in a subprocess (`run_nmt`, `start_nmt`,
+`wait_until`) and a tiny transformer ready for training steps (`tiny_trainee`)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,3 +70,71 @@ def tiny_run(
         attach(prepare(cfg), cfg, run_dir)
         assert train(cfg, run_dir).progress.step == steps
     return run_dir, cfg
+
+
+# -- the CLI in a subprocess ------------------------------------------------------------------
+
+
+def run_nmt(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m nmt ARGS` to its end, output captured as text (a wide terminal: rich keeps
+    a message on one line)."""
+    return subprocess.run(
+        [sys.executable, "-m", "nmt", *map(str, args)],
+        env={**os.environ, "COLUMNS": "400"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def start_nmt(*args) -> subprocess.Popen:
+    """`python -m nmt ARGS` started: stdout discarded, stderr piped as text."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "nmt", *map(str, args)],
+        env={**os.environ, "COLUMNS": "400"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_until(condition, proc: subprocess.Popen | None = None, timeout: float = 120) -> None:
+    """Poll `condition()` until it holds; fail with `proc`'s stderr if it ends first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"the process ended first: {proc.communicate()[1][-2000:]}")
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+# -- a tiny transformer for training steps ----------------------------------------------------
+
+
+def tiny_trainee(train_config=None, precision: str = "fp32", batches: int = 4):
+    """(Trainee, batches, config): a 1+1-layer d_model 32 transformer without dropout on
+    recipes/tiny/transformer.yaml's data, seeded, its optimizer from `train_config` (default:
+    the recipe's train section), and `batches` collated batches of 8 training pairs."""
+    import numpy as np
+    import torch
+
+    from nmt.distributed import World
+    from nmt.models.base import Vocab
+    from nmt.models.configs import TransformerConfig
+    from nmt.models.registry import build_model
+    from nmt.train import Trainee, make_optimizer
+
+    cfg = nmt.config.load(REPO / "recipes" / "tiny" / "transformer.yaml", ["model.dropout=0.0"])
+    prepared = prepare(cfg)
+    v = prepared.summary["vocab"]
+    torch.manual_seed(0)
+    model = build_model(
+        "transformer",
+        TransformerConfig(d_model=32, heads=2, enc_layers=1, dec_layers=1, ffn_dim=64, dropout=0),
+        Vocab(v["src"], v["tgt"], v["joint"]),
+    )
+    optimizer = make_optimizer(model, train_config or cfg.train)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    trainee = Trainee(model, model, optimizer, scaler, precision, World())
+    split = prepared.split("train")
+    return trainee, [split.collate(np.arange(i * 8, i * 8 + 8)) for i in range(batches)], cfg

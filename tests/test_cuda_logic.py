@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_trainee
 
 from nmt import NMTError, config, distributed
 from nmt import device as nmt_device
@@ -16,9 +17,8 @@ from nmt.data.prepare import prepare
 from nmt.distributed import World
 from nmt.models import layers
 from nmt.models.base import fixed_weights
-from nmt.models.configs import TransformerConfig
 from nmt.models.layers import RNN, explicit_rnn_dtype
-from nmt.train import StepMeter, StepResult, Trainee, make_optimizer, train_step, update
+from nmt.train import StepMeter, StepResult, train_step, update
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -147,25 +147,6 @@ def test_ranks_agree_on_step_tokens_without_talking():
 
 
 # -- the step never waits for the device ----------------------------------------------------
-
-
-def tiny_trainee(precision: str = "fp32") -> tuple[Trainee, list, config.Config]:
-    cfg = config.load("recipes/tiny/transformer.yaml", ["model.dropout=0.0"])
-    prepared = prepare(cfg)
-    split = prepared.split("train")
-    from nmt.models.base import Vocab
-    from nmt.models.registry import build_model
-
-    v = prepared.summary["vocab"]
-    torch.manual_seed(0)
-    model = build_model(
-        "transformer",
-        TransformerConfig(d_model=32, heads=2, enc_layers=1, dec_layers=1, ffn_dim=64, dropout=0),
-        Vocab(v["src"], v["tgt"], v["joint"]),
-    )
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    trainee = Trainee(model, model, make_optimizer(model, cfg.train), scaler, precision, World())
-    return trainee, [split.collate(np.arange(i * 8, i * 8 + 8)) for i in range(4)], cfg
 
 
 def test_a_training_step_reads_nothing_back_from_the_device(monkeypatch):

@@ -7,12 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_nmt, start_nmt, wait_until
 from torch.nn.utils.rnn import PackedSequence
 
 from nmt import checkpoint, config
@@ -39,17 +39,6 @@ def precisions() -> list[str]:
 
 def tiny(arch: str, *overrides: str) -> config.Config:
     return config.load(TINY / f"{arch}.yaml", ["train.device=cuda", *overrides])
-
-
-def cli(*args, timeout: float = 600, **popen) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "400"}
-    return subprocess.run(
-        [sys.executable, "-m", "nmt", *map(str, args)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def trainee_on_gpu(arch: str, precision: str) -> tuple[Trainee, list, config.Config]:
@@ -135,23 +124,14 @@ def test_a_killed_run_resumes_bit_exact_with_deterministic_kernels(tmp_path):
         *("--set", "train.max_steps=40", "--set", "train.save_every=5"),
         *("--set", "train.keep_last=20", "--set", "train.valid_every=1000"),
     ]
-    ref = cli("train", recipe, "--run-dir", tmp_path / "ref", *sets)
+    ref = run_nmt("train", recipe, "--run-dir", tmp_path / "ref", *sets)
     assert ref.returncode == 0, ref.stderr
     killed = tmp_path / "killed"
-    env = {**os.environ, "COLUMNS": "400"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "nmt", "train", str(recipe), "--run-dir", str(killed), *sets],
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 300
-    while not (killed / "checkpoints" / "step-10.pt").is_file():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
-        time.sleep(0.05)
+    proc = start_nmt("train", recipe, "--run-dir", killed, *sets)
+    wait_until((killed / "checkpoints" / "step-10.pt").is_file, proc, timeout=300)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    resumed = cli("train", recipe, "--run-dir", killed, "--resume", *sets)
+    resumed = run_nmt("train", recipe, "--run-dir", killed, "--resume", *sets)
     assert resumed.returncode == 0, resumed.stderr
     a = checkpoint.load(tmp_path / "ref" / "checkpoints" / "last.pt")["model"]
     b = checkpoint.load(killed / "checkpoints" / "last.pt")["model"]
@@ -167,7 +147,7 @@ def test_two_process_ddp_on_nccl_matches_one_process_accumulating(tmp_path):
         *("--set", "train.max_steps=8", "--set", "train.log_every=1"),
         *("--set", "train.valid_every=1000", "--set", "train.valid_bleu=false"),
     ]
-    single = cli(
+    single = run_nmt(
         "train", recipe, "--run-dir", tmp_path / "one", *sets, "--set", "train.accumulate=2"
     )
     assert single.returncode == 0, single.stderr

@@ -7,11 +7,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import tiny_run
+from conftest import run_nmt, start_nmt, tiny_run, wait_until
 
 from nmt import NMTError, checkpoint, config
 from nmt.compare import Run, ensure_trained
@@ -20,37 +19,6 @@ from nmt.run import RunDir, attach
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny" / "transformer.yaml"
-
-
-def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "400"}
-    return subprocess.run(
-        [sys.executable, "-m", "nmt", *map(str, args)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def start_cli(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "COLUMNS": "400"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "nmt", *map(str, args)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def wait_until(condition, proc: subprocess.Popen | None = None, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc is not None and proc.poll() is not None:
-            pytest.fail(f"the process ended first: {proc.communicate()[1][-2000:]}")
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def holding(run: Path) -> subprocess.Popen:
@@ -151,14 +119,14 @@ def test_two_trainings_on_one_run_directory(tmp_path):
     to the end undisturbed."""
     run = tmp_path / "run"
     sets = ["--set", "train.max_steps=40", "--set", "train.valid_every=20"]
-    first = start_cli("train", TINY, "--run-dir", run, *sets)
+    first = start_nmt("train", TINY, "--run-dir", run, *sets)
     try:
         wait_until(lambda: (run / ".lock").is_file() and (run / ".lock").read_text(), first)
-        second = run_cli("train", TINY, "--run-dir", run, *sets)
+        second = run_nmt("train", TINY, "--run-dir", run, *sets)
         assert second.returncode == 2, second.stderr
         assert second.stderr.strip().count("\n") == 0 and "Traceback" not in second.stderr
         assert f"pid {first.pid} on " in second.stderr
-        resumed = run_cli("train", TINY, "--run-dir", run, "--resume", *sets)
+        resumed = run_nmt("train", TINY, "--run-dir", run, "--resume", *sets)
         assert resumed.returncode == 2 and f"pid {first.pid}" in resumed.stderr
     finally:
         _, stderr = first.communicate(timeout=300)
@@ -171,12 +139,12 @@ def test_two_trainings_on_one_run_directory(tmp_path):
 def test_a_sigkilled_training_leaves_no_lock_behind(tmp_path):
     run = tmp_path / "run"
     sets = ["--set", "train.max_steps=400", "--set", "train.save_every=5"]
-    proc = start_cli("train", TINY, "--run-dir", run, *sets, "--set", "train.valid_every=1000")
+    proc = start_nmt("train", TINY, "--run-dir", run, *sets, "--set", "train.valid_every=1000")
     wait_until(lambda: (run / "checkpoints" / "last.pt").is_file(), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert (run / ".lock").read_text()  # the killed holder's name is still written there
-    res = run_cli("train", TINY, "--run-dir", run, "--resume", "--set", "train.max_steps=12")
+    res = run_nmt("train", TINY, "--run-dir", run, "--resume", "--set", "train.max_steps=12")
     assert res.returncode == 0, res.stderr
     assert checkpoint.load(run / "checkpoints" / "last.pt")["progress"]["step"] == 12
 
@@ -192,7 +160,7 @@ def test_compare_and_average_refuse_a_run_another_process_writes(tmp_path):
             ensure_trained(
                 "transformer", Run(cfg.train.seed, cfg, run), lambda: None, lambda _: None
             )
-        res = run_cli("average", run, "--last", "2")
+        res = run_nmt("average", run, "--last", "2")
         assert res.returncode == 2 and f"pid {holder.pid}" in res.stderr
         assert not (run / "checkpoints" / "averaged.pt").exists()
     finally:
@@ -214,7 +182,7 @@ def test_readers_need_no_lock(tmp_path):
     try:
         src = tmp_path / "in.en"
         src.write_text("A dog runs.\n")
-        res = run_cli("translate", trained, "--input", src)
+        res = run_nmt("translate", trained, "--input", src)
         assert res.returncode == 0 and res.stdout.count("\n") == 1, res.stderr
     finally:
         holder.send_signal(signal.SIGKILL)

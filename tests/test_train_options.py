@@ -5,26 +5,19 @@ bf16 autocast, and how `nmt train` ends (non-finite losses, Ctrl-C)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_nmt, start_nmt, tiny_trainee, wait_until
 
 from nmt import checkpoint, config
 from nmt.data.prepare import prepare
-from nmt.distributed import World
 from nmt.metrics import score
-from nmt.models.base import Vocab
-from nmt.models.configs import TransformerConfig
-from nmt.models.registry import build_model
 from nmt.run import RunDir, attach
-from nmt.train import Trainee, make_optimizer, train, train_step
+from nmt.train import train, train_step
 from nmt.translate import load_model, translate_texts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,17 +32,6 @@ def tiny(*overrides: str, arch: str = "transformer") -> config.Config:
 def train_api(cfg: config.Config, run: Path, **kwargs):
     attach(prepare(cfg), cfg, run)
     return train(cfg, run, **kwargs)
-
-
-def run_cli(*args: str, **popen) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "400"}
-    return subprocess.run(
-        [sys.executable, "-m", "nmt", *map(str, args)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def records(run: Path, kind: str) -> list[dict]:
@@ -163,30 +145,14 @@ def test_validation_decodes_with_its_own_beam(tmp_path):
 # -- the optimizer step ---------------------------------------------------------------------
 
 
-def step_trainee(t: config.TrainConfig) -> tuple[Trainee, list]:
-    cfg = tiny()
-    prepared = prepare(cfg)
-    v = prepared.summary["vocab"]
-    torch.manual_seed(0)
-    model = build_model(
-        "transformer",
-        TransformerConfig(d_model=32, heads=2, enc_layers=1, dec_layers=1, ffn_dim=64, dropout=0),
-        Vocab(v["src"], v["tgt"], v["joint"]),
-    )
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    trainee = Trainee(model, model, make_optimizer(model, t), scaler, "fp32", World())
-    split = prepared.split("train")
-    return trainee, [split.collate(np.arange(i * 8, i * 8 + 8)) for i in range(2)]
-
-
 def test_adamw_decays_matrices_only(tmp_path):
     """One step from the same weights on the same batch: AdamW's weights are Adam's minus
     lr * decay * w for matrices, and equal to Adam's for biases and norms."""
     lr, wd = 0.01, 0.1
     adam_t = config.TrainConfig(max_steps=1, lr=lr, optimizer="adam")
     adamw_t = config.TrainConfig(max_steps=1, lr=lr, optimizer="adamw", weight_decay=wd)
-    adam, batches = step_trainee(adam_t)
-    adamw, _ = step_trainee(adamw_t)
+    adam, batches = tiny_trainee(adam_t, batches=2)[:2]
+    adamw, _ = tiny_trainee(adamw_t, batches=2)[:2]
     assert isinstance(adamw.optimizer, torch.optim.AdamW)
     start = {k: v.clone() for k, v in adam.model.state_dict().items()}
     train_step(adam, batches[:1], batches[0].tgt_tokens, adam_t)
@@ -202,7 +168,7 @@ def test_adamw_decays_matrices_only(tmp_path):
 @pytest.mark.parametrize("clip", [0.05, 0.0])
 def test_gradients_are_clipped_before_the_update(clip):
     t = config.TrainConfig(max_steps=1, clip_norm=clip)
-    trainee, batches = step_trainee(t)
+    trainee, batches = tiny_trainee(t, batches=2)[:2]
     seen = []
 
     def at_step(optimizer, args, kwargs) -> None:
@@ -222,7 +188,7 @@ def test_bf16_autocast_is_what_a_bf16_run_computes_in(tmp_path):
     """train.precision=bf16: activations in bf16 on fp32 weights (seen in the step), the
     precision logged at the start, and other losses than an fp32 run from the same seed."""
     t = config.TrainConfig(max_steps=1)
-    trainee, batches = step_trainee(t)
+    trainee, batches = tiny_trainee(t, batches=2)[:2]
     trainee.precision = "bf16"
     dtypes = []
     trainee.model.output.register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
@@ -289,7 +255,7 @@ def test_tensorboard_event_files(tmp_path):
 
 def test_repeated_non_finite_losses_exit_1(tmp_path):
     run = tmp_path / "run"
-    res = run_cli(
+    res = run_nmt(
         "train",
         TINY / "transformer.yaml",
         "--run-dir",
@@ -307,26 +273,14 @@ def test_repeated_non_finite_losses_exit_1(tmp_path):
 
 def test_ctrl_c_checkpoints_and_says_how_to_resume(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "nmt",
-            "train",
-            str(TINY / "transformer.yaml"),
-            "--run-dir",
-            str(run),
-        ]
-        + ["--set", "train.max_steps=100000", "--set", "train.save_every=5"],
-        env={**os.environ, "COLUMNS": "400"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = start_nmt(
+        "train",
+        TINY / "transformer.yaml",
+        "--run-dir",
+        run,
+        *("--set", "train.max_steps=100000", "--set", "train.save_every=5"),
     )
-    deadline = time.monotonic() + 120
-    while not (run / "checkpoints" / "step-5.pt").is_file():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
-        time.sleep(0.05)
+    wait_until((run / "checkpoints" / "step-5.pt").is_file, proc)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
