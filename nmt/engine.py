@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -161,26 +162,33 @@ class CT2Engine:
         self.facts = stamp["model"]
         self.tokenizer = Tokenizer(self.model_dir / "source.spm", self.model_dir / "target.spm")
         self.positions = max(export.CT2_POSITIONS, self.config.model.max_positions)
-        self._translators: dict[int, Any] = {}
+        self._translators: dict[tuple[int, int, int], Any] = {}
+        self._lock = threading.Lock()
 
     def translator(self, workers: int, fresh: bool = False):
-        """A `ctranslate2.Translator` decoding `workers` batches at once, torch's intra-op
-        threads split between them (0: as nmt decides, `nmt.translate.decode_workers`: 2
-        workers of 1 thread on 2 threads; CTranslate2's OpenMP threads also lose most to
-        waiting when a batch's work is split finer); kept for the next call unless `fresh`."""
+        """A `ctranslate2.Translator` decoding `workers` batches at once, the calling thread's
+        torch intra-op threads split between them (0: as nmt decides,
+        `nmt.translate.decode_workers`: 2 workers of 1 thread on 2 threads; CTranslate2's
+        OpenMP threads also lose most to waiting when a batch's work is split finer); kept for
+        the next call of the same thread unless `fresh`. One per calling thread: threads that
+        decode at once (a server's batching threads, each asking for 1 worker) would otherwise
+        queue on one translator's single worker."""
         workers = decode_workers(workers, torch.device(self.device), batches=1 << 30)
-        if fresh or workers not in self._translators:
-            translator = self.ctranslate2.Translator(
-                str(self.model_dir),
-                device=self.device,
-                compute_type=self.quantization,
-                inter_threads=workers,
-                intra_threads=max(1, torch.get_num_threads() // workers),
-            )
-            if fresh:
-                return translator
-            self._translators[workers] = translator
-        return self._translators[workers]
+        threads = max(1, torch.get_num_threads() // workers)
+        key = (workers, threads, threading.get_ident())
+        with self._lock:
+            if fresh or key not in self._translators:
+                translator = self.ctranslate2.Translator(
+                    str(self.model_dir),
+                    device=self.device,
+                    compute_type=self.quantization,
+                    inter_threads=workers,
+                    intra_threads=threads,
+                )
+                if fresh:
+                    return translator
+                self._translators[key] = translator
+            return self._translators[key]
 
     def held(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -257,6 +258,34 @@ def test_ctranslate2_beam_search_with_nmts_patience_is_the_same_search(runs, sou
                 for (_, mine), (_, other) in zip(a, b):
                     assert other.score == pytest.approx(mine.score, rel=1e-3, abs=0.01)
         assert free >= len(lines) // 2
+
+
+def test_ctranslate2_threads_decode_on_their_own_translators(runs, sources):
+    """Threads that decode at once (a server's batching threads, each asking for 1 worker)
+    each get their own translator, kept for their next calls, instead of queueing on one
+    translator's single worker; the translations stay the same."""
+    run = runs("pre-sinusoidal-tied")
+    ct2 = open_engine([run], "ctranslate2", CPU)
+    opts = options(run, beam=2, nbest=1, length_norm="plain")
+    lines = sources[:10]
+    alone = texts(ct2.translate(lines, opts, 6000, workers=1))
+    got, used = {}, {}
+    both_alive = threading.Barrier(2, timeout=120)  # thread ids are unique among live threads only
+
+    def work(i: int) -> None:
+        both_alive.wait()
+        got[i] = texts(ct2.translate(lines, opts, 6000, workers=1))
+        used[i] = ct2.translator(1)
+        both_alive.wait()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got[0] == got[1] == alone
+    assert used[0] is not used[1]
+    assert ct2.translator(1) is ct2.translator(1)
 
 
 def test_ctranslate2_honours_the_length_limits_and_constraints(runs, sources):
