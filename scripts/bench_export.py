@@ -8,8 +8,9 @@ Every system decodes the same sentences with the same search: --beam (default 5)
 normalisation plain (|y| ** alpha, alpha = the run's decode.length_penalty; the one
 CTranslate2 and transformers implement) and nmt's length limit a * |x| + b of each sentence
 (transformers: max_new_tokens = limit - 1, one generate() call per distinct limit, batches of
---batch-size sentences). nmt decodes in fp32 with its default workers; CTranslate2 with 1
-worker on --threads threads; transformers in this process.
+--batch-size sentences). nmt decodes in fp32 with its default workers; CTranslate2 as
+`--engine ctranslate2` does (its default: 2 workers of 1 thread on 2 threads); transformers in
+this process.
 
 Commands:
   NMT_DATA_DIR=../shared/data python scripts/bench_export.py --run runs/multi30k_transformer
