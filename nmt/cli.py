@@ -69,6 +69,10 @@ PATIENCE_HELP = (
     "Default: decode.patience (none: once no open hypothesis can beat the best finished)."
 )
 ENGINE_HELP = "nmt (its own search) or ctranslate2 (the run's CTranslate2 export, made once)."
+PRECISION_HELP = (
+    "fp32, bf16, fp16 (CUDA), int8 (CPU: int8 linear maps, the rest fp32) or auto "
+    "(bf16 where the device runs it natively, else fp32)."
+)
 QUANTIZATION_HELP = (
     "--engine ctranslate2 weights and compute type: float32 (default), int8, int8_float32, "
     "int8_bfloat16, bfloat16, ... (those this CPU supports)."
@@ -334,7 +338,7 @@ def translate(
     workers: int | None = typer.Option(
         None, "--workers", help="Batches decoded at once on CPU (0 = auto: 2 with 2+ threads)."
     ),
-    precision: str | None = typer.Option(None, "--precision", help="fp32, bf16, fp16 or auto."),
+    precision: str | None = typer.Option(None, "--precision", help=PRECISION_HELP),
     max_len_a: float | None = typer.Option(None, "--max-len-a"),
     max_len_b: int | None = typer.Option(None, "--max-len-b"),
     length_penalty: float | None = typer.Option(
@@ -501,7 +505,7 @@ def evaluate(
     length_penalty: float | None = typer.Option(None, "--length-penalty"),
     length_norm: str | None = typer.Option(None, "--length-norm", help=LENGTH_NORM_HELP),
     patience: float | None = typer.Option(None, "--patience", help=PATIENCE_HELP),
-    precision: str | None = typer.Option(None, "--precision"),
+    precision: str | None = typer.Option(None, "--precision", help=PRECISION_HELP),
     engine: str = typer.Option("nmt", "--engine", help=ENGINE_HELP),
     quantization: str | None = typer.Option(None, "--quantization", help=QUANTIZATION_HELP),
     bootstrap_samples: int = typer.Option(1000, "--bootstrap-samples"),
@@ -623,7 +627,7 @@ def score(
     fmt: str = typer.Option("tsv", "--format", help="tsv or jsonl."),
     batch_tokens: int | None = typer.Option(None, "--batch-tokens", help="Tokens per batch."),
     max_len: int = typer.Option(1024, "--max-len", help="Longer lines (tokens) are not scored."),
-    precision: str | None = typer.Option(None, "--precision", help="fp32, bf16, fp16 or auto."),
+    precision: str | None = typer.Option(None, "--precision", help=PRECISION_HELP),
     device: str = typer.Option("auto", "--device"),
 ) -> None:
     """Log-probability of each target line given its source (forced decoding): total, per
@@ -655,7 +659,7 @@ def score(
     budget = batch_tokens or d.batch_tokens
     if budget < 16:
         raise NMTError(f"--batch-tokens must be >= 16 (got {budget})")
-    prec = resolve_precision(precision or d.precision, dev)
+    prec = resolve_precision(precision or d.precision, dev, decoding=True)
     models = [m.model for m in loaded.members] or [loaded.model]
     scores = score_pairs(models, loaded.tokenizer, sources, targets, d, budget, dev, prec, max_len)
 
@@ -875,7 +879,7 @@ def serve(
         "--max-wait-ms",
         help="How long a batch waits for more sentences (or a fifth of it with no new one).",
     ),
-    precision: str | None = typer.Option(None, "--precision", help="fp32, bf16, fp16 or auto."),
+    precision: str | None = typer.Option(None, "--precision", help=PRECISION_HELP),
     engine: str = typer.Option("nmt", "--engine", help=ENGINE_HELP),
     quantization: str | None = typer.Option(None, "--quantization", help=QUANTIZATION_HELP),
     length_penalty: float | None = typer.Option(

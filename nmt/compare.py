@@ -265,7 +265,7 @@ def evaluate_run(
     write the translations, time the decoding. What it trained (steps, tokens, minutes,
     validations) from its last checkpoint and metrics, for a single run."""
     loaded = load_models(paths, device)
-    precision = resolve_precision(cfg.decode.precision, device)
+    precision = resolve_precision(cfg.decode.precision, device, decoding=True)
     prepared = prepare(cfg)
     result: dict[str, Any] = {
         "checkpoint": {
@@ -320,7 +320,7 @@ def attention_example(run: Run, sentence: str, device) -> Attention | None:
     """Attention of the run's own translation of `sentence` (its decode settings)."""
     loaded = load_models([run.run_dir], device)
     opts = search_options(run.cfg.decode, nbest=1)
-    precision = resolve_precision(run.cfg.decode.precision, device)
+    precision = resolve_precision(run.cfg.decode.precision, device, decoding=True)
     (_, hyp), *_ = translate_lines(
         loaded.model, loaded.tokenizer, [sentence], opts, 10_000, device, precision
     )[0]

@@ -221,7 +221,8 @@ class DecodeConfig:
     patience: float | None = None
     batch_tokens: int = 6000
     workers: int = 0  # batches decoded at once on CPU, sharing the cores; 0 = auto
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    # int8: linear maps on int8 weights, the rest in fp32 (CPU; `nmt.models.layers.int8_linears`)
+    precision: Literal["auto", "fp32", "bf16", "fp16", "int8"] = "auto"
 
     def __post_init__(self) -> None:
         _check(self.beam >= 1, "decode.beam", "must be >= 1")

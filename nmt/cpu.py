@@ -31,3 +31,22 @@ def cpu_has_bf16() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+@functools.cache
+def cpu_has_int8() -> bool:
+    """PyTorch's quantized int8 linear maps run here (fbgemm: x86 CPUs with AVX2 or later),
+    which `nmt.models.layers.int8_linears` decodes with: tried once on a tiny weight."""
+    import warnings
+
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    try:
+        with warnings.catch_warnings():  # torch marks its quantized tensors deprecated (2.13)
+            warnings.simplefilter("ignore", UserWarning)
+            q = torch.quantize_per_tensor(torch.ones(2, 2), 0.1, 0, torch.qint8)
+            packed = torch.ops.quantized.linear_prepack(q, None)
+            torch.ops.quantized.linear_dynamic(torch.ones(1, 2), packed, True)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True

@@ -13,9 +13,11 @@ from collections.abc import Iterator
 import torch
 
 from nmt import NMTError
-from nmt.cpu import cpu_has_bf16
+from nmt.cpu import cpu_has_bf16, cpu_has_int8
+from nmt.models.layers import int8_linears
 
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast's dtypes
+INT8 = "int8"  # decoding only: int8 linear maps (`nmt.models.layers.int8_linears`)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -38,21 +40,37 @@ def cuda_has_bf16(device: torch.device) -> bool:
     return major >= 8
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
+def resolve_precision(precision: str, device: torch.device, decoding: bool = False) -> str:
     """`auto` -> the fastest safe choice: bf16 on GPUs with native bf16 (else fp16 with loss
-    scaling), bf16 on CPUs with native bf16, fp32 otherwise. fp16 needs CUDA."""
-    if precision != "auto" and precision not in DTYPES:
-        raise NMTError(f"unknown precision {precision!r}; choose auto, fp32, bf16 or fp16")
+    scaling), bf16 on CPUs with native bf16, fp32 otherwise. fp16 needs CUDA. When `decoding`,
+    int8 too (CPU only; never chosen by auto: it changes results, within quantization's
+    error)."""
+    known = ("auto", *DTYPES, INT8) if decoding else ("auto", *DTYPES)
+    if precision not in known:
+        raise NMTError(
+            f"unknown precision {precision!r}; choose {', '.join(known[:-1])} or {known[-1]}"
+        )
     if precision == "auto":
         if device.type == "cuda":
             return "bf16" if cuda_has_bf16(device) else "fp16"
         return "bf16" if cpu_has_bf16() else "fp32"
     if precision == "fp16" and device.type != "cuda":
         raise NMTError("precision fp16 needs a CUDA device; on CPU use bf16 or fp32")
+    if precision == INT8 and device.type != "cpu":
+        raise NMTError(f"precision int8 decodes on CPU only; on {device} use bf16 or fp16")
+    if precision == INT8 and not cpu_has_int8():
+        raise NMTError(
+            "precision int8 needs PyTorch's fbgemm int8 kernels (an x86 CPU with AVX2), which "
+            "this machine's torch does not run; use bf16 or fp32"
+        )
     return precision
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """The scope in which a model computes in `precision`: torch's autocast for bf16 and
+    fp16, int8 linear maps (`int8_linears`, the rest in fp32) for int8, nothing for fp32."""
+    if precision == INT8:
+        return int8_linears()
     dtype = DTYPES[precision]
     if dtype is None:
         return contextlib.nullcontext()

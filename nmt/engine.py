@@ -324,9 +324,12 @@ def open_engine(
         raise NMTError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
     if engine == "nmt":
         if quantization is not None:
-            raise NMTError("--quantization applies to --engine ctranslate2")
+            raise NMTError(
+                "--quantization applies to --engine ctranslate2; nmt decodes in int8 with "
+                "--precision int8"
+            )
         loaded = load_models(paths, device)
-        prec = resolve_precision(precision or loaded.config.decode.precision, device)
+        prec = resolve_precision(precision or loaded.config.decode.precision, device, decoding=True)
         checkpoints = [m.checkpoint for m in loaded.members] or [loaded.checkpoint]
         return NMTEngine(
             loaded.model,

@@ -10,6 +10,7 @@ length as beam search ranks hypotheses (the run's decode settings: length penalt
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,7 @@ from nmt.config import DecodeConfig
 from nmt.data.batching import pack
 from nmt.data.tokenizer import Tokenizer
 from nmt.device import autocast
+from nmt.models.base import fixed_weights
 from nmt.search import length_penalty
 from nmt.special import BOS_ID, EOS_ID, PAD_ID
 from nmt.translate import search_options, source_batch, source_mask
@@ -88,9 +90,12 @@ def score_pairs(
         costs[i] = max(len(src_ids[i]), len(tgt_ids[i])) + 1
     order = np.array(sorted(todo, key=lambda i: (costs[i], i)))
     opts = search_options(decode)
-    for model in models:
-        model.eval()
-    with torch.inference_mode(), autocast(device, precision):
+    with contextlib.ExitStack() as scope:
+        for model in models:  # fixed weights: packed (or quantized) once for all batches
+            model.eval()
+            scope.enter_context(fixed_weights(model))
+        scope.enter_context(torch.inference_mode())
+        scope.enter_context(autocast(device, precision))
         for idx in pack(order, costs, batch_tokens):
             src = source_batch([src_ids[i] for i in idx]).to(device)
             tgt_in, tgt_out = (t.to(device) for t in target_batch([tgt_ids[i] for i in idx]))

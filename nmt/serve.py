@@ -1017,7 +1017,7 @@ def serve(
     if engine not in ENGINES:
         raise NMTError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
     if precision is not None:
-        resolve_precision(precision, device)
+        resolve_precision(precision, device, decoding=True)
     sock = listening_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     server: uvicorn.Server | None = None

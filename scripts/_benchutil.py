@@ -26,18 +26,24 @@ RECIPES = {
 }
 ARCHS = tuple(RECIPES)
 PRECISIONS = ("fp32", "bf16")
+DECODE_PRECISIONS = (*PRECISIONS, "int8")  # int8: nmt's int8 linear maps (decoding only)
 
 
-def default_precisions() -> list[str]:
+def default_precisions(decoding: bool = False) -> list[str]:
     """fp32, plus bf16 where the CPU runs it natively (AVX512-BF16/AMX). Without those units
     bf16 matmuls are emulated (measured 1.7 vs 79 GFLOP/s fp32 on an AVX2-only EPYC), so the
-    default skips them; pass --precisions bf16 to time them anyway."""
-    from nmt.cpu import cpu_has_bf16
+    default skips them; pass --precisions bf16 to time them anyway. When `decoding`, int8 too
+    where torch runs int8 linear maps (fbgemm)."""
+    from nmt.cpu import cpu_has_bf16, cpu_has_int8
 
+    chosen = ["fp32"]
     if cpu_has_bf16():
-        return list(PRECISIONS)
-    print("note: this CPU has no native bf16 (AVX512-BF16/AMX); timing fp32 only")
-    return ["fp32"]
+        chosen.append("bf16")
+    else:
+        print("note: this CPU has no native bf16 (AVX512-BF16/AMX); timing fp32 only")
+    if decoding and cpu_has_int8():
+        chosen.append("int8")
+    return chosen
 
 
 # -- environment ----------------------------------------------------------------------------

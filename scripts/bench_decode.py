@@ -1,5 +1,5 @@
 """Decoding speed: sentences/s on the 1,000 test_2016_flickr sources, greedy and beam search,
-fp32 and bf16 autocast, for each architecture; side by side with Hugging Face `generate()` and
+fp32, bf16 autocast and int8 linear maps, for each architecture; side by side with Hugging Face `generate()` and
 CTranslate2 on a MarianMTModel of the transformer recipe's size when they are installed.
 
 What is measured
@@ -11,7 +11,10 @@ What is measured
     (stable) and cut into batches of --batch-size sentences (default 64), built once before
     timing; every system decodes the same batches.
   * nmt: `nmt.translate.decode_batches` (what `nmt translate` runs on its batches) with the
-    run's (or recipe's) decode settings, beam --beam (default 5) or greedy, under autocast.
+    run's (or recipe's) decode settings, beam --beam (default 5) or greedy, in each of
+    --precisions (default fp32, bf16 where the CPU has native bf16, int8 where torch runs its
+    fbgemm int8 kernels: `nmt translate --precision int8`; the ratio table sets nmt int8
+    against CTranslate2 int8).
     It decodes --workers batches at once (default 0 = auto, as `nmt translate`: 2 workers of
     1 intra-op thread each on 2 threads), in inference mode, on the model's weights packed
     for oneDNN. Like `nmt translate`, which packs them once per input, the benchmark packs
@@ -107,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--beam", type=int, default=5)
-    p.add_argument("--precisions", nargs="+", default=None, choices=bu.PRECISIONS)
+    p.add_argument("--precisions", nargs="+", default=None, choices=bu.DECODE_PRECISIONS)
     p.add_argument(
         "--fixed-len", type=int, default=None, help="N output tokens (0 = free decoding)"
     )
@@ -151,7 +154,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke test: 128 sentences, 6 tokens")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
-    args.precisions = args.precisions or bu.default_precisions()
+    args.precisions = args.precisions or bu.default_precisions(decoding=True)
     if args.fixed_len is None:
         args.fixed_len = 0 if args.run else (6 if args.quick else 20)
     if args.quick:
@@ -530,7 +533,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = bu.load_recipe("transformer").model
         model = bu.build_marian(cfg, transformer.tokenizer.tgt.get_piece_size(), args.seed).eval()
         for mode in args.modes:
-            for precision in args.precisions:
+            for precision in [p for p in args.precisions if p in bu.PRECISIONS]:  # no HF int8
                 for workers in args.peer_workers:
                     rows.append(bench_hf(model, transformer, mode, precision, workers, args))
         del model
@@ -540,9 +543,10 @@ def main(argv: list[str] | None = None) -> dict:
 
         supported = ctranslate2.get_supported_compute_types("cpu")
         wanted = {"fp32": "float32", "bf16": "bfloat16"}
-        types = [wanted[p] for p in args.precisions if wanted[p] in supported]
+        asked = [p for p in args.precisions if p in wanted]  # CTranslate2's int8: always
+        types = [wanted[p] for p in asked if wanted[p] in supported]
         types += [t for t in ("int8", "int8_float32") if t in supported]
-        for p in args.precisions:
+        for p in asked:
             if wanted[p] not in supported:
                 notes.append(f"CTranslate2 {wanted[p]} is not supported on this CPU; skipped")
         with tempfile.TemporaryDirectory(prefix="bench_ct2_") as tmp:

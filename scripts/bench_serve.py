@@ -200,7 +200,7 @@ def offline(args: argparse.Namespace, sentences: list[str]):
         f"decode.precision={args.precision}",
     ]
     d = config.replace(loaded.config, overrides).decode
-    prec = resolve_precision(d.precision, cpu)
+    prec = resolve_precision(d.precision, cpu, decoding=True)
     opts = search_options(d)
 
     def run(lines: list[str]) -> list[str]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nmt import NMTError
+from nmt.cpu import cpu_has_int8
 from nmt.device import autocast, resolve_precision
 
 
@@ -70,3 +71,89 @@ def test_onednn_keeps_the_kernels_of_many_batch_shapes(preset):
         pytest.skip("torch does not run bf16 linear maps through oneDNN on this CPU")
     last = created[-1]
     assert ("cache_hit" in last) == (preset is None), last
+
+
+int8_here = pytest.mark.skipif(not cpu_has_int8(), reason="torch has no fbgemm int8 kernels here")
+
+
+def test_int8_is_a_decoding_precision_on_cpu():
+    """int8 is for decoding on CPU: training refuses it, auto never picks it, a GPU refuses it."""
+    cpu = torch.device("cpu")
+    with pytest.raises(NMTError, match="unknown precision 'int8'; choose auto, fp32, bf16 or fp16"):
+        resolve_precision("int8", cpu)
+    assert resolve_precision("auto", cpu, decoding=True) == resolve_precision("auto", cpu)
+    with pytest.raises(NMTError, match="int8 decodes on CPU only; on cuda:0 use bf16 or fp16"):
+        resolve_precision("int8", torch.device("cuda:0"), decoding=True)
+    if cpu_has_int8():
+        assert resolve_precision("int8", cpu, decoding=True) == "int8"
+    else:
+        with pytest.raises(NMTError, match="needs PyTorch's fbgemm int8 kernels"):
+            resolve_precision("int8", cpu, decoding=True)
+
+
+@int8_here
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.ao's, for the reference
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_linear_maps_are_torchs_dynamic_quantization(bias):
+    """In int8, nmt's linear maps compute what torch's own dynamically quantized Linear
+    (per-channel weights, `quantize_dynamic` with `per_channel_dynamic_qconfig`) computes, bit
+    for bit, with and without a fixed_weights scope and with the fused ReLU; close to fp32 but
+    not equal to it (the weights are quantized); and fp32 again outside the scope."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    from nmt.models.base import fixed_weights
+    from nmt.models.layers import INT8, Linear
+
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=bias).eval()
+    x = torch.randn(3, 7, 64)
+    plain = torch.nn.Linear(64, 96, bias=bias)
+    plain.load_state_dict(layer.state_dict())
+    reference = quantize_dynamic(
+        torch.nn.Sequential(plain), {torch.nn.Linear: per_channel_dynamic_qconfig}
+    )
+    assert "DynamicQuantizedLinear" in repr(reference)
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        expected = reference(x)
+        fp32 = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        with autocast(cpu, "int8"):
+            unscoped = layer(x)
+            with fixed_weights(layer):
+                scoped = layer(x)
+                relu = layer(x, relu=True)
+                assert INT8 in layer.weight_cache
+        outside = layer(x)
+    assert torch.equal(unscoped, expected) and torch.equal(scoped, expected)
+    assert torch.equal(relu, expected.relu())
+    assert not torch.equal(expected, fp32)
+    assert (expected - fp32).abs().max() < 0.02 * fp32.abs().max()
+    assert torch.equal(outside, fp32)
+
+
+@int8_here
+def test_int8_is_per_thread_as_autocast_is():
+    """A thread decoding in int8 leaves another thread's linear maps in fp32."""
+    import threading
+
+    from nmt.models.layers import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(32, 32).eval()
+    x = torch.randn(4, 32)
+    entered, release = threading.Event(), threading.Event()
+
+    def hold_int8():
+        with autocast(torch.device("cpu"), "int8"):
+            entered.set()
+            release.wait(30)
+
+    other = threading.Thread(target=hold_int8)
+    other.start()
+    entered.wait(30)
+    try:
+        with torch.inference_mode():
+            assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    finally:
+        release.set()
+        other.join()

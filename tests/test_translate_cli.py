@@ -24,6 +24,7 @@ import torch
 from conftest import tiny_run
 
 from nmt import checkpoint
+from nmt.cpu import cpu_has_int8
 from nmt.data.prepare import prepare
 from nmt.special import UNK_ID
 from nmt.translate import attention_of, load_model, search_options, translate_lines
@@ -890,7 +891,7 @@ def test_no_repeat_ngram(run, val_lines):
     assert not any(repeats(line, 1) for line in blocked)
 
 
-def test_precision_and_device(run, val_lines):
+def test_precision_and_device(run, val_lines, tmp_path):
     """--precision bf16 decodes in bf16 (other scores than fp32); --device cpu is auto's
     choice here, and a device the machine lacks is refused in one line."""
     stdin = "\n".join(val_lines[:10]) + "\n"
@@ -899,6 +900,22 @@ def test_precision_and_device(run, val_lines):
     bf16 = ok(nmt_cli(*args, "--precision", "bf16", stdin=stdin, env={"NMT_DEBUG": "1"}))
     assert "on cpu in bf16" in bf16.stderr and "on cpu in fp32" in fp32.stderr
     assert fp32.stdout != bf16.stdout
+    if cpu_has_int8():  # int8 linear maps: other scores, close to fp32's for the same tokens
+        int8 = ok(nmt_cli(*args, "--precision", "int8", stdin=stdin, env={"NMT_DEBUG": "1"}))
+        assert "on cpu in int8" in int8.stderr and int8.stdout != fp32.stdout
+        src, tgt = tmp_path / "src.en", tmp_path / "tgt.de"
+        src.write_text(stdin, encoding="utf-8")
+        tgt.write_text(
+            "".join(line.split("\t")[0] + "\n" for line in out_lines(fp32.stdout)), "utf-8"
+        )
+
+        def logprobs(precision: str) -> list[float]:
+            scored = ok(nmt_cli("score", run, "--src", src, "--tgt", tgt, "--precision", precision))
+            return [float(line.split("\t")[0]) for line in out_lines(scored.stdout)]
+
+        exact, quantized = logprobs("fp32"), logprobs("int8")
+        assert exact != quantized
+        assert all(abs(q - e) < 0.02 * abs(e) for e, q in zip(exact, quantized, strict=True))
     cpu = ok(nmt_cli(*args, "--precision", "fp32", "--device", "cpu", stdin=stdin))
     assert cpu.stdout == fp32.stdout
     if not torch.cuda.is_available():

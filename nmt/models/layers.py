@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+import warnings
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -67,14 +71,39 @@ class Dropout(nn.Module):
 
 
 PACK_ROWS = 256  # the row count oneDNN lays a packed weight out for (see PackedInference)
+INT8 = "int8"  # the weight cache's key for int8 weights (`int8_linears`)
+
+_int8 = threading.local()  # per thread, as autocast is: decoding workers are threads
 
 
-def packed_dtype(x: Tensor) -> torch.dtype | None:
-    """The dtype in which a linear map of x can run on a packed weight: CPU inference (no
-    autograd) in fp32, or in bf16 (autocast's dtype or x's) on CPUs with native bf16.
-    None elsewhere (training, CUDA, no oneDNN), where `F.linear` runs as usual."""
+@contextlib.contextmanager
+def int8_linears() -> Iterator[None]:
+    """In this thread, the linear maps of a model (`PackedInference`) compute on int8 weights:
+    each output row of a weight quantized symmetrically to 8 bits with its own scale
+    (per-channel), the input quantized to 8 bits at every call from its own range (dynamic
+    quantization), accumulated in int32 and returned in fp32, by PyTorch's quantized
+    `linear_dynamic` (fbgemm: VNNI on AVX-512 CPUs, AVX2 elsewhere). What is not a linear map
+    (attention scores, softmax, norms, recurrent cells) stays in fp32. Decoding only:
+    `nmt.device.autocast(device, "int8")` enters it. The input keeps 7 bits of range
+    (`reduce_range`, as torch's own dynamic `Linear` does): AVX2's 8-bit products can overflow
+    otherwise, and so every CPU computes the same integers."""
+    before = getattr(_int8, "on", False)
+    _int8.on = True
+    try:
+        yield
+    finally:
+        _int8.on = before
+
+
+def packed_dtype(x: Tensor) -> torch.dtype | str | None:
+    """How a linear map of x runs: `INT8` inside `int8_linears` (CPU inference), else the dtype
+    in which it can run on a packed weight: CPU inference (no autograd) in fp32, or in bf16
+    (autocast's dtype or x's) on CPUs with native bf16. None elsewhere (training, CUDA, no
+    oneDNN), where `F.linear` runs as usual."""
     if x.device.type != "cpu" or torch.is_grad_enabled():
         return None
+    if getattr(_int8, "on", False):
+        return INT8
     if not (torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available()):
         return None
     cast = torch.is_autocast_enabled("cpu")
@@ -84,11 +113,31 @@ def packed_dtype(x: Tensor) -> torch.dtype | None:
     return None
 
 
+def int8_weight(weight: Tensor, bias: Tensor | None) -> object:
+    """`weight` [out, in] quantized per output row (symmetric, torch's per-channel observer, as
+    `torch.ao.quantization.per_channel_dynamic_qconfig` does) and packed with `bias` for
+    `torch.ops.quantized.linear_dynamic`."""
+    from torch.ao.quantization.observer import PerChannelMinMaxObserver
+
+    w = weight.detach().float()
+    observer = PerChannelMinMaxObserver(
+        ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric
+    )
+    observer(w)
+    scales, zero_points = observer.calculate_qparams()
+    with warnings.catch_warnings():  # torch marks its quantized tensors deprecated (2.13)
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
+    b = None if bias is None else bias.detach().float()
+    return torch.ops.quantized.linear_prepack(q, b)
+
+
 class PackedInference(WeightCache):
     """Linear maps that, inside `fixed_weights(model)`, run oneDNN's inner product on a
     weight reordered once into its blocked layout, instead of `F.linear`, which lays the
     weight out again at every call. Outside that scope, or where `packed_dtype` says no,
-    they are `F.linear`.
+    they are `F.linear`. Inside `int8_linears` they run on int8 weights, quantized once per
+    scope (or at every call outside one).
 
     Measured on the 2-core Zen 4 machine (2 threads): the [320,256] x [256,8000] output
     projection of a beam-5 step took 9.5 ms with `F.linear` and 6.3 ms packed in fp32 (3.5 vs
@@ -103,7 +152,20 @@ class PackedInference(WeightCache):
         """x W^T + b, then ReLU when `relu` (on a packed weight, fused into the product: one
         pass less over the [320,1024] FFN activations of a beam-5 step)."""
         cache = self.weight_cache  # read once: decoding threads share it (see decode_batches)
-        dtype = packed_dtype(x) if cache is not None else None
+        dtype = packed_dtype(x)
+        if dtype == INT8:
+            if cache is None:
+                packed = int8_weight(weight, bias)
+            else:  # two threads may both quantize; one is kept
+                packed = cache.get(INT8)
+                if packed is None:
+                    packed = cache.setdefault(INT8, int8_weight(weight, bias))
+            flat = x.float().reshape(-1, x.size(-1))
+            y = torch.ops.quantized.linear_dynamic(flat, packed, True)
+            y = y.view(*x.shape[:-1], y.size(-1))
+            return y.relu_() if relu else y  # y is new: ReLU in place
+        if cache is None:
+            dtype = None
         if dtype is not None and dtype not in cache:  # two threads may both pack; one is kept
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), PACK_ROWS)
