@@ -86,7 +86,9 @@ def int8_linears() -> Iterator[None]:
     (attention scores, softmax, norms, recurrent cells) stays in fp32. Decoding only:
     `nmt.device.autocast(device, "int8")` enters it. The input keeps 7 bits of range
     (`reduce_range`, as torch's own dynamic `Linear` does): AVX2's 8-bit products can overflow
-    otherwise, and so every CPU computes the same integers."""
+    otherwise, and so every CPU computes the same integers. The input's scale is one for the
+    whole call, so a row's result depends on the other rows' range: a sentence's translation
+    may change with the batch it is decoded in (fbgemm has no per-row scales)."""
     before = getattr(_int8, "on", False)
     _int8.on = True
     try:
