@@ -14,10 +14,9 @@ import torch
 
 from nmt import NMTError
 from nmt.cpu import cpu_has_bf16, cpu_has_int8
-from nmt.models.layers import int8_linears
+from nmt.models.layers import INT8, int8_linears  # INT8: decoding's int8 precision
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast's dtypes
-INT8 = "int8"  # decoding only: int8 linear maps (`nmt.models.layers.int8_linears`)
 
 
 def resolve_device(name: str) -> torch.device:

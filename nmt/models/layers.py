@@ -71,7 +71,7 @@ class Dropout(nn.Module):
 
 
 PACK_ROWS = 256  # the row count oneDNN lays a packed weight out for (see PackedInference)
-INT8 = "int8"  # the weight cache's key for int8 weights (`int8_linears`)
+INT8 = "int8"  # the precision name of `int8_linears`, and their weight cache's key
 
 _int8 = threading.local()  # per thread, as autocast is: decoding workers are threads
 
