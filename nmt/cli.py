@@ -20,7 +20,7 @@ from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
 
-from nmt import NMTError, __version__
+from nmt import NMTError, __version__, allocator
 
 app = typer.Typer(
     name="nmt",
@@ -216,7 +216,8 @@ class RichReporter:
         self.info = info
         err.print(
             f"[bold]{info['arch']}[/]: {info['params']:,} parameters on {info['device']} in "
-            f"{info['precision']}, {info['world']} process(es); {info['train_pairs']:,} training pairs, "
+            f"{info['precision']} (malloc: {info['allocator']}), {info['world']} process(es); "
+            f"{info['train_pairs']:,} training pairs, "
             f"{info['steps_per_epoch']:,} steps/epoch, padding {info['padding']:.1%}"
             + (f"; resuming from step {info['resumed_from']}" if info["resumed_from"] else "")
         )
@@ -952,6 +953,8 @@ def main() -> None:
     atexit.register(gc.freeze)
     _setup_logging(verbose=bool(os.environ.get("NMT_DEBUG")))
     try:
+        allocator.relaunch()  # on TCMalloc where the machine has it (an exec: returns if not)
+        logging.getLogger("nmt").debug("malloc: %s", allocator.in_use())
         code = app(standalone_mode=False)
     except NMTError as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from nmt import NMTError, checkpoint, distributed
+from nmt import NMTError, allocator, checkpoint, distributed
 from nmt.config import Config, TrainConfig, arch_of
 from nmt.data.batching import Batch, EncodedSplit, TokenBatches
 from nmt.data.prepare import Prepared, prepare
@@ -852,6 +852,7 @@ def start_info(
         "params": count_parameters(trainee.model),
         "device": str(trainee.device),
         "precision": trainee.precision,
+        "allocator": allocator.in_use(),  # glibc, or the library `nmt.allocator` preloaded
         "world": trainee.world.size,
         "train_pairs": prepared.summary["splits"]["train"]["pairs"],
         "valid_pairs": prepared.summary["splits"]["valid"]["pairs"],

@@ -67,7 +67,17 @@ def default_env() -> None:
     os.environ.setdefault("NMT_DATA_DIR", str(ROOT.parent / "shared" / "data"))
 
 
+def on_nmts_allocator() -> None:
+    """Run this script on the allocator the `nmt` commands run on (`nmt.allocator`: TCMalloc
+    where it is installed), so that its figures are the commands' figures: the script is
+    executed again once, with the library preloaded. NMT_MALLOC=system keeps glibc's."""
+    from nmt import allocator
+
+    allocator.relaunch(command=True)
+
+
 def machine_info() -> dict[str, Any]:
+    from nmt import allocator
     from nmt.cpu import cpu_has_bf16
 
     info: dict[str, Any] = {
@@ -77,6 +87,7 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "cpu_native_bf16": cpu_has_bf16(),
         "load_average_1m": os.getloadavg()[0],
+        "malloc": allocator.in_use(),
     }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -292,4 +292,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    bu.on_nmts_allocator()
     main()

@@ -336,4 +336,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    bu.on_nmts_allocator()
     main()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes.util
 import json
 import math
 import os
@@ -632,6 +633,8 @@ def test_cli_train_then_translate_each_architecture(arch, tmp_path):
     )
     assert res.returncode == 0, res.stderr
     assert "reached train.max_steps=20" in res.stderr
+    tcmalloc = ctypes.util.find_library("tcmalloc_minimal") and sys.platform.startswith("linux")
+    assert ("(malloc: libtcmalloc_minimal" in res.stderr) == bool(tcmalloc), res.stderr
     for name in (
         "config.yaml",
         "metrics.jsonl",

@@ -1,0 +1,112 @@
+"""The allocator an `nmt` command runs on (nmt/allocator.py): TCMalloc where the machine has
+it, glibc's malloc with NMT_MALLOC=system, a library of the user's choice otherwise."""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nmt import allocator
+
+TCMALLOC = ctypes.util.find_library(allocator.TCMALLOC)
+needs_tcmalloc = pytest.mark.skipif(
+    TCMALLOC is None or not sys.platform.startswith("linux"),
+    reason="no TCMalloc here (Debian/Ubuntu: apt install libtcmalloc-minimal4)",
+)
+
+
+def malloc_of(*args: str, **env: str) -> tuple[subprocess.CompletedProcess, str | None]:
+    """Run `args` (an nmt command) with NMT_DEBUG and `env`; the allocator it logged."""
+    base = {k: v for k, v in os.environ.items() if k not in (allocator.CHOICE, allocator.DONE)}
+    done = subprocess.run(
+        args,
+        env={**base, "NMT_DEBUG": "1", "COLUMNS": "200", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    said = [
+        line.split("malloc: ", 1)[1].strip()
+        for line in done.stderr.splitlines()
+        if "malloc: " in line
+    ]
+    return done, said[0] if said else None
+
+
+NMT = (sys.executable, "-m", "nmt", "evaluate", "--help")
+
+
+@needs_tcmalloc
+def test_a_command_runs_on_tcmalloc_where_the_machine_has_it():
+    done, malloc = malloc_of(*NMT)
+    assert done.returncode == 0, done.stderr
+    assert malloc is not None and "tcmalloc" in malloc
+
+
+def test_nmt_malloc_system_keeps_glibc():
+    done, malloc = malloc_of(*NMT, NMT_MALLOC="system")
+    assert done.returncode == 0, done.stderr
+    assert malloc == "glibc"
+
+
+def test_a_missing_allocator_library_is_refused_in_one_line(tmp_path):
+    missing = tmp_path / "libnothing.so"
+    done, _ = malloc_of(*NMT, NMT_MALLOC=str(missing))
+    assert done.returncode == 2
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"error: NMT_MALLOC={missing}: no such file")
+    )
+    assert "Traceback" not in done.stderr
+
+
+@needs_tcmalloc
+def test_a_program_that_calls_the_cli_is_not_run_again():
+    """Only the `nmt` command itself relaunches: a program calling nmt.cli.main is left as it
+    is (an exec would run the whole program again)."""
+    code = "import sys; sys.argv = ['x', 'evaluate', '--help']; import nmt.cli; nmt.cli.main()"
+    done, malloc = malloc_of(sys.executable, "-c", code)
+    assert done.returncode == 0, done.stderr
+    assert malloc == "glibc"
+
+
+@needs_tcmalloc
+def test_in_use_reads_the_allocator_from_the_memory_map():
+    code = "from nmt import allocator; print(allocator.in_use())"
+    for preload, expected in ((TCMALLOC, TCMALLOC), ("", "glibc")):
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        if preload:
+            env["LD_PRELOAD"] = preload
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip().startswith(expected)  # the soname, or the file it names
+
+
+@needs_tcmalloc
+def test_benchmark_scripts_run_on_what_nmt_runs_on():
+    """A benchmark script relaunches itself as the commands do, and says so in its machine
+    facts: its figures are those of the commands it times."""
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    code = (
+        f"import sys; sys.path.insert(0, {str(scripts)!r}); import _benchutil as bu; "
+        "bu.on_nmts_allocator(); print(bu.machine_info()['malloc'])"
+    )
+    base = {k: v for k, v in os.environ.items() if k not in (allocator.CHOICE, allocator.DONE)}
+    for env, expected in (({}, "libtcmalloc"), ({allocator.CHOICE: "system"}, "glibc")):
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**base, **env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip().startswith(expected)
