@@ -3,8 +3,9 @@ glibc's malloc. No torch here: the choice is made before torch is imported.
 
 glibc's malloc either returns freed memory to the kernel (and every large tensor is then a
 fresh mapping whose pages fault in again: up to 3x slower steps, see
-`nmt.device.configure_host`) or keeps it, and then the heap fragments: a 10-minute `nmt
-train` of the Multi30k transformer recipe held 1.3 GB in use and 1.9 GB free but kept. TCMalloc
+`nmt.device.configure_host`) or keeps it, and then the heap fragments: a 2.5-minute `nmt
+train` of the Multi30k transformer recipe held 1.3 GB in use and 1.9 GB free but kept at
+minute 2 (glibc's `mallinfo2`). TCMalloc
 (gperftools' `tcmalloc_minimal`; Debian and Ubuntu: `apt install libtcmalloc-minimal4`) keeps
 freed blocks in per-size lists and reuses them, which bounds that. 4-minute runs of that
 recipe, one after the other on 2 Zen 4 cores (`scripts/bench_memory.py --minutes 4`), peak
@@ -13,6 +14,8 @@ RSS and target tok/s logged after minute 1.5: glibc 3,343 MB, 4,030 tok/s; TCMal
 2,190 MB, 4,325 and glibc 3,442 MB, 4,144. Beam-5 decoding gained too (bf16 200 and 197
 against 207 and 212 sentences/s, int8 209 and 215 against 240 and 222, alternating runs of
 scripts/bench_decode.py); the step alone did not change (bench_model: 4,348 and 4,336 tok/s).
+10-minute runs (README, "Speed and memory"): TCMalloc 4,560 tok/s after minute 2, RSS 2.19 GB
+at minute 2 and 2.44 GB at minute 10; glibc 4,099 tok/s, 3.13 and 3.65 GB.
 
 A command relaunches itself once (`relaunch`, an exec of the same command line) with the
 library in LD_PRELOAD: an allocator must be in place before the process allocates anything.
