@@ -23,6 +23,7 @@ needs_tcmalloc = pytest.mark.skipif(
 def malloc_of(*args: str, **env: str) -> tuple[subprocess.CompletedProcess, str | None]:
     """Run `args` (an nmt command) with NMT_DEBUG and `env`; the allocator it logged."""
     base = {k: v for k, v in os.environ.items() if k not in (allocator.CHOICE, allocator.DONE)}
+    base.pop("LD_PRELOAD", None)  # as a fresh shell starts it, whatever runs the tests
     done = subprocess.run(
         args,
         env={**base, "NMT_DEBUG": "1", "COLUMNS": "200", **env},
@@ -100,6 +101,7 @@ def test_benchmark_scripts_run_on_what_nmt_runs_on():
         "bu.on_nmts_allocator(); print(bu.machine_info()['malloc'])"
     )
     base = {k: v for k, v in os.environ.items() if k not in (allocator.CHOICE, allocator.DONE)}
+    base.pop("LD_PRELOAD", None)
     for env, expected in (({}, "libtcmalloc"), ({allocator.CHOICE: "system"}, "glibc")):
         done = subprocess.run(
             [sys.executable, "-c", code],
