@@ -954,7 +954,8 @@ def main() -> None:
     _setup_logging(verbose=bool(os.environ.get("NMT_DEBUG")))
     try:
         allocator.relaunch()  # on TCMalloc where the machine has it (an exec: returns if not)
-        logging.getLogger("nmt").debug("malloc: %s", allocator.in_use())
+        if logging.getLogger("nmt").isEnabledFor(logging.DEBUG):  # reads /proc/self/maps
+            logging.getLogger("nmt").debug("malloc: %s", allocator.in_use())
         code = app(standalone_mode=False)
     except NMTError as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)

@@ -1,6 +1,7 @@
 """Decoding speed: sentences/s on the 1,000 test_2016_flickr sources, greedy and beam search,
-fp32, bf16 autocast and int8 linear maps, for each architecture; side by side with Hugging Face `generate()` and
-CTranslate2 on a MarianMTModel of the transformer recipe's size when they are installed.
+fp32, bf16 autocast and int8 linear maps, for each architecture; side by side with Hugging
+Face `generate()` and CTranslate2 on a MarianMTModel of the transformer recipe's size when
+they are installed.
 
 What is measured
   * Models: each trained run given with --run DIR (repeatable; its best/last checkpoint, its
