@@ -119,14 +119,21 @@ def next_logprobs(logits: Tensor) -> Tensor:
     return step_log_probs(StepOutput(logits, None))
 
 
-def _adjust(logp: Tensor, tokens: Tensor, t: int, limit: Tensor, opts: SearchOptions) -> Tensor:
-    """Constraints on next-token log-probs [N,V] at step t: specials, min/max length, n-grams."""
+def _adjust(
+    logp: Tensor, tokens: Tensor, t: int | Tensor, limit: Tensor, opts: SearchOptions
+) -> Tensor:
+    """Constraints on next-token log-probs [N,V] at step t (of every row, or per row [N]):
+    specials, min/max length, n-grams. `tokens` [N,t'] holds each row's history, left-padded
+    with PAD where rows are at different steps."""
     eos = logp[:, EOS_ID].clone()  # the model's own EOS log-prob, kept when EOS is forced
     logp[:, PAD_ID] = NEG
     logp[:, BOS_ID] = NEG
     if opts.ban_unk:
         logp[:, UNK_ID] = NEG
-    if t < opts.min_len or (opts.fixed_len is not None and t < opts.fixed_len):
+    shortest = max(opts.min_len, opts.fixed_len or 0)  # EOS is not allowed before this step
+    if isinstance(t, Tensor):
+        logp[:, EOS_ID] = torch.where(t < shortest, NEG, logp[:, EOS_ID])
+    elif t < shortest:
         logp[:, EOS_ID] = NEG
     force = t + 1 >= limit  # [N] the last allowed position must be EOS
     if force.any():
@@ -256,6 +263,209 @@ def _filter(logits: Tensor, opts: SearchOptions) -> Tensor:
     return logits
 
 
+class BeamStream:
+    """Beam search over sentences that come and go (in-flight batching): `add` sources
+    between steps, `step` decodes one position of every active sentence and returns the
+    sentences that ended. A server adds each request's sentences as they arrive, beside
+    those half-way through their translation; `beam_search` adds a whole batch and steps
+    until it is done. Every sentence is searched as it would be alone.
+
+    Each step ranks the top 2K expansions of the K live hypotheses of every sentence: those
+    ending in EOS (among the top K) enter the sentence's pool of K finished hypotheses, the
+    best K others stay live. A sentence is done when its worst pooled hypothesis beats the
+    best score any live hypothesis could still reach, or with `opts.patience` once
+    round(K * patience) hypotheses have finished (without a length penalty: once its best
+    candidate has ended, and n-best ones); done sentences leave the batch. Beam 1 ends a
+    sentence when its best token is EOS: greedy search.
+
+    The sentences of a fresh stream start with one hypothesis each (their first step expands
+    it); sentences added beside others start with K, all but the first dead (score -inf), so
+    that every sentence has K rows (`nmt.models.base`); the model's `join` puts the two
+    states together. Sentences may be at different steps: the time step, the length limit
+    and the token history (left-padded with PAD) are per sentence.
+
+    Call its methods in one thread at a time, under the model's `fixed_weights` (the
+    `decoding` scope); each runs in inference mode.
+    """
+
+    def __init__(self, model: TranslationModel, opts: SearchOptions) -> None:
+        self.model, self.opts, self.k = model, opts, opts.beam
+        # beam 1: a sentence ends when its 1-best ends (greedy); else `ends_after`'s rule
+        self.quota = 1 if opts.beam == 1 else ends_after(opts)
+        self.ids: list = []  # the caller's id of each active sentence [b]
+        self._lp: Tensor | None = None  # length_penalty(t) for t = 0, 1, ...: `_penalties`
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ids = []
+        self.width = 1  # hypotheses per sentence: 1 before a fresh batch's first step, K after
+        self.state: State | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def add(self, src: Tensor, src_mask: Tensor, ids: list) -> None:
+        """Start decoding sources src[B,S] (EOS-terminated, PAD-padded), known to the caller
+        by `ids`; they take their first step at the next `step`."""
+        with torch.inference_mode():
+            self._add(src, src_mask, list(ids))
+
+    def _add(self, src: Tensor, src_mask: Tensor, ids: list) -> None:
+        b, k, device = src.size(0), self.k, src.device
+        state = _start(self.model, src, src_mask)  # one row per sentence
+        limit = max_lengths(src_mask, self.opts)  # [B]
+        longest = int(limit.max())
+        width = self.width if self.ids else 1
+        scores = torch.zeros(b, width, device=device)
+        if width > 1:  # beside sentences with K hypotheses: K rows, one alive
+            scores[:, 1:] = NEG
+            state = reorder_state(state, torch.arange(b, device=device).repeat_interleave(width))
+        new = {
+            "scores": scores,  # [b,width] cumulative log-probs
+            "tokens": torch.full((b * width, 0), PAD_ID, dtype=torch.long, device=device),
+            "prev": torch.full((b * width,), BOS_ID, dtype=torch.long, device=device),
+            "steps": torch.zeros(b, dtype=torch.long, device=device),  # positions decoded
+            "limit": limit,  # [b] length limits (EOS included)
+            "pool_norm": torch.full((b, k), NEG, device=device),  # finished, normalised
+            "pool_raw": torch.full((b, k), NEG, device=device),
+            "pool_tok": torch.full((b, k, longest), PAD_ID, dtype=torch.long, device=device),
+            "finished": torch.zeros(b, dtype=torch.long, device=device),  # patience counts
+            "best_ended": torch.zeros(b, dtype=torch.bool, device=device),
+        }
+        if not self.ids:
+            self.ids, self.width, self.state = ids, width, state
+            self.book = new
+            return
+        old = self.book
+        t_old, t_new = old["tokens"].size(1), 0
+        pool = max(old["pool_tok"].size(2), longest)
+        joined = {}
+        for key, x in old.items():
+            y = new[key]
+            if key == "tokens":  # left-padded histories
+                y = torch.nn.functional.pad(y, (t_old - t_new, 0), value=PAD_ID)
+            elif key == "pool_tok":
+                x = torch.nn.functional.pad(x, (0, pool - x.size(2)), value=PAD_ID)
+                y = torch.nn.functional.pad(y, (0, pool - y.size(2)), value=PAD_ID)
+            joined[key] = torch.cat([x, y])
+        self.book = joined
+        self.state = self.model.join(self.state, state)
+        self.ids = self.ids + ids
+
+    def _penalties(self, lengths: Tensor) -> Tensor:
+        """length_penalty of `lengths` [n], each the float32 rounding of the Python value
+        (exactly what dividing by `length_penalty(float(length), opts)` divides by)."""
+        need = int(lengths.max()) + 1
+        if self._lp is None or self._lp.numel() < need or self._lp.device != lengths.device:
+            values = [float(length_penalty(float(t), self.opts)) for t in range(2 * need)]
+            self._lp = torch.tensor(values, device=lengths.device)
+        return self._lp[lengths]
+
+    def step(self) -> list[tuple[object, list[Hypothesis]]]:
+        """Decode one position of every active sentence; (id, n-best) of those that ended."""
+        with torch.inference_mode():
+            return self._step()
+
+    def _step(self) -> list[tuple[object, list[Hypothesis]]]:
+        opts, k, book = self.opts, self.k, self.book
+        out, state = self.model.step(book["prev"], self.state)
+        n, width = len(self.ids), self.width
+        device = book["scores"].device
+        steps, limit, scores = book["steps"], book["limit"], book["scores"]
+        lim = limit if width == 1 else limit.repeat_interleave(width)  # [n*width]
+        t = steps if width == 1 else steps.repeat_interleave(width)
+        logp = _adjust(step_log_probs(out), book["tokens"], t, lim, opts)
+        v = logp.size(-1)
+        # One hypothesis per sentence: candidates ranked by their token's log-prob alone, as
+        # greedy search ranks them (adding the score to each could round two into a tie).
+        rank, idx = topk_candidates(logp, min(2 * k, width * v), scores if width > 1 else None)
+        if rank.size(1) < k:  # a vocabulary smaller than the beam: fill with dead candidates
+            rank = torch.nn.functional.pad(rank, (0, k - rank.size(1)), value=NEG)
+            idx = torch.nn.functional.pad(idx, (0, k - idx.size(1)), value=0)
+        top = rank if width > 1 else rank + scores  # [n,2K] scores of the candidates
+        beam, tok = idx // v, idx % v
+        rows = (torch.arange(n, device=device) * width)[:, None] + beam  # [n,2K] token rows
+
+        # Finished: EOS expansions among the top K enter the pool of K best finished (most
+        # steps have none: the pool is left as it is then).
+        is_eos = tok == EOS_ID
+        fin = is_eos[:, :k] & torch.isfinite(top[:, :k])  # [n,K]
+        if fin.any():
+            hist = torch.cat([book["tokens"][rows[:, :k].flatten()], tok[:, :k].reshape(-1, 1)], 1)
+            pool_len = book["pool_tok"].size(2)
+            hist = torch.nn.functional.pad(
+                hist.view(n, k, -1), (0, pool_len - hist.size(1)), value=PAD_ID
+            )
+            norm = top[:, :k] / self._penalties(steps + 1)[:, None]
+            merged_norm = torch.cat([book["pool_norm"], torch.where(fin, norm, NEG)], 1)
+            merged_raw = torch.cat([book["pool_raw"], top[:, :k]], 1)
+            merged_tok = torch.cat([book["pool_tok"], hist], 1)  # [n,2K,L]
+            best, pick = merged_norm.topk(k, dim=1)  # [n,K]
+            book["pool_norm"] = best
+            book["pool_raw"] = merged_raw.gather(1, pick)
+            book["pool_tok"] = merged_tok.gather(1, pick[:, :, None].expand(-1, -1, pool_len))
+            book["finished"] = book["finished"] + fin.sum(1)
+            book["best_ended"] = book["best_ended"] | fin[:, 0]
+
+        # Live: the K best non-EOS expansions.
+        live = torch.where(is_eos, NEG, rank).topk(k, dim=1).indices  # [n,K]
+        live_scores = top.gather(1, live)
+        sel_rows = rows.gather(1, live).flatten()  # [n*K]
+        sel_tok = tok.gather(1, live).flatten()
+        book["scores"] = scores = live_scores
+        book["tokens"] = torch.cat([book["tokens"][sel_rows], sel_tok[:, None]], 1)
+        book["steps"] = steps = steps + 1
+        # Rows stay inside their sentence; the first step expands each sentence to K rows.
+        self.state = reorder_state(state, sel_rows)
+        self.width = k
+        book["prev"] = sel_tok
+
+        # Done: no live hypothesis can beat the worst pooled one (exact bound for alpha >= 0),
+        # or the patience quota of finished hypotheses is reached.
+        if self.quota is None:
+            bound = scores.max(1).values / length_penalty(limit.float(), opts)
+            done = book["pool_norm"][:, -1] >= bound
+        elif opts.length_penalty == 0 and k > 1:
+            done = book["best_ended"] & (book["finished"] >= opts.nbest)
+        else:
+            done = book["finished"] >= self.quota
+        done = done | ~torch.isfinite(scores.max(1).values)
+        if not done.any():
+            return []
+        return self._leave(done)
+
+    def _leave(self, done: Tensor) -> list[tuple[object, list[Hypothesis]]]:
+        """Take the done sentences out of the batch; their n-best lists."""
+        book, k = self.book, self.k
+        ended = done.nonzero().flatten()
+        norms = book["pool_norm"][ended].tolist()
+        raws = book["pool_raw"][ended].tolist()
+        toks = book["pool_tok"][ended].tolist()
+        results = []
+        for j, i in enumerate(ended.tolist()):
+            hyps = []
+            for h in range(min(self.opts.nbest, k)):
+                if math.isinf(norms[j][h]):
+                    continue
+                seq = toks[j][h]
+                end = seq.index(EOS_ID) if EOS_ID in seq else len(seq)
+                tokens = [x for x in seq[:end] if x != PAD_ID]  # histories are left-padded
+                hyps.append(Hypothesis(tokens, norms[j][h], raws[j][h]))
+            results.append((self.ids[i], hyps))
+        keep = (~done).nonzero().flatten()
+        if keep.numel() == 0:
+            self._reset()
+            return results
+        keep_rows = (keep[:, None] * k + torch.arange(k, device=keep.device)).flatten()
+        for key, x in book.items():
+            book[key] = x[keep_rows] if key in ("tokens", "prev") else x[keep]
+        longest = int(book["steps"].max())  # history columns still needed
+        book["tokens"] = book["tokens"][:, book["tokens"].size(1) - longest :]
+        self.state = reorder_state(self.state, keep_rows, sentences=keep)
+        self.ids = [self.ids[i] for i in keep.tolist()]
+        return results
+
+
 @decoding
 def beam_search(
     model: TranslationModel,
@@ -264,109 +474,15 @@ def beam_search(
     opts: SearchOptions,
     stop: threading.Event | None = None,
 ) -> list[list[Hypothesis]]:
-    """Beam search of width K over src[B,S]; returns the n-best list of every sentence.
-    Raises SearchStopped at the next step once `stop` is set.
-
-    Each step ranks the top 2K expansions of the K live hypotheses of every sentence: those
-    ending in EOS (among the top K) enter the sentence's pool of K finished hypotheses, the
-    best K others stay live. A sentence is done when its worst pooled hypothesis beats the
-    best score any live hypothesis could still reach, or with `opts.patience` once
-    round(K * patience) hypotheses have finished (without a length penalty: once its best
-    candidate has ended, and n-best ones); done sentences leave the batch.
-    """
-    k = opts.beam
-    b = src.size(0)
-    device = src.device
-    state = _start(model, src, src_mask)  # one row per sentence until the first expansion
-    width = 1  # hypotheses per sentence: 1 before the first step, K after
-    limit = max_lengths(src_mask, opts)  # [B]
-    max_t = int(limit.max())
-    alive = torch.arange(b, device=device)  # [b] original sentence ids of active sentences
-    scores = torch.zeros(b, 1, device=device)  # [b,width] cumulative log-probs
-    tokens = torch.zeros(b, 0, dtype=torch.long, device=device)  # [b*width, t]
-    prev = torch.full((b,), BOS_ID, dtype=torch.long, device=device)
-    pool_norm = torch.full((b, k), NEG, device=device)  # finished pool, normalised scores
-    pool_raw = torch.full((b, k), NEG, device=device)
-    pool_tok = torch.full((b, k, max_t), PAD_ID, dtype=torch.long, device=device)
-    arange_k = torch.arange(k, device=device)
-    quota = ends_after(opts)
-    if quota is not None:
-        finished = torch.zeros(b, dtype=torch.long, device=device)  # hypotheses that ended
-        best_ended = torch.zeros(b, dtype=torch.bool, device=device)  # a best candidate ended
-    for t in range(max_t):
+    """Beam search of width K over src[B,S] (`BeamStream`); returns the n-best list of every
+    sentence. Raises SearchStopped at the next step once `stop` is set."""
+    stream = BeamStream(model, opts)
+    stream.add(src, src_mask, list(range(src.size(0))))
+    results: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
+    while stream:
         _check(stop)
-        out, state = model.step(prev, state)
-        n = alive.numel()
-        lim = limit[alive].repeat_interleave(width)  # [b*width]
-        logp = _adjust(step_log_probs(out), tokens, t, lim, opts)
-        v = logp.size(-1)
-        top, idx = topk_candidates(logp, min(2 * k, width * v), scores)  # [b, 2K]
-        if top.size(1) < k:  # a vocabulary smaller than the beam: fill with dead candidates
-            top = torch.nn.functional.pad(top, (0, k - top.size(1)), value=NEG)
-            idx = torch.nn.functional.pad(idx, (0, k - idx.size(1)), value=0)
-        beam, tok = idx // v, idx % v
-        rows = (torch.arange(n, device=device) * width)[:, None] + beam  # [b,2K] rows of tokens
-
-        # Finished: EOS expansions among the top K enter the pool of K best finished (most
-        # steps have none: the pool is left as it is then).
-        is_eos = tok == EOS_ID
-        fin = is_eos[:, :k] & torch.isfinite(top[:, :k])  # [b,K]
-        if fin.any():
-            hist = torch.cat([tokens[rows[:, :k].flatten()], tok[:, :k].reshape(-1, 1)], 1)
-            hist = torch.nn.functional.pad(hist.view(n, k, t + 1), (0, max_t - t - 1), value=PAD_ID)
-            norm = top[:, :k] / length_penalty(float(t + 1), opts)
-            merged_norm = torch.cat([pool_norm[alive], torch.where(fin, norm, NEG)], 1)
-            merged_raw = torch.cat([pool_raw[alive], top[:, :k]], 1)
-            merged_tok = torch.cat([pool_tok[alive], hist], 1)  # [b,2K,max_t]
-            best, pick = merged_norm.topk(k, dim=1)  # [b,K]
-            pool_norm[alive] = best
-            pool_raw[alive] = merged_raw.gather(1, pick)
-            pool_tok[alive] = merged_tok.gather(1, pick[:, :, None].expand(-1, -1, max_t))
-            if quota is not None:
-                finished[alive] += fin.sum(1)
-                best_ended[alive] |= fin[:, 0]
-
-        # Live: the K best non-EOS expansions.
-        live_scores, live = torch.where(is_eos, NEG, top).topk(k, dim=1)  # [b,K]
-        sel_rows = rows.gather(1, live).flatten()  # [b*K]
-        sel_tok = tok.gather(1, live).flatten()
-        scores = live_scores
-        tokens = torch.cat([tokens[sel_rows], sel_tok[:, None]], 1)
-        # Rows stay inside their sentence; the first step expands each sentence to K rows.
-        state = reorder_state(state, sel_rows)
-        width = k
-        prev = sel_tok
-
-        # Done: no live hypothesis can beat the worst pooled one (exact bound for alpha >= 0),
-        # or the patience quota of finished hypotheses is reached.
-        if quota is None:
-            bound = scores.max(1).values / length_penalty(limit[alive].float(), opts)
-            done = pool_norm[alive, -1] >= bound
-        elif opts.length_penalty == 0:
-            done = best_ended[alive] & (finished[alive] >= opts.nbest)
-        else:
-            done = finished[alive] >= quota
-        done = done | ~torch.isfinite(scores.max(1).values)
-        if done.any():
-            keep = (~done).nonzero().flatten()
-            if keep.numel() == 0:
-                break
-            keep_rows = (keep[:, None] * k + arange_k).flatten()
-            alive, scores = alive[keep], scores[keep]
-            tokens, prev = tokens[keep_rows], prev[keep_rows]
-            state = reorder_state(state, keep_rows, sentences=keep)
-
-    results = []
-    norms, raws, toks = pool_norm.tolist(), pool_raw.tolist(), pool_tok.tolist()
-    for i in range(b):
-        hyps = []
-        for j in range(min(opts.nbest, k)):
-            if math.isinf(norms[i][j]):
-                continue
-            seq = toks[i][j]
-            end = seq.index(EOS_ID) if EOS_ID in seq else len(seq)
-            hyps.append(Hypothesis(seq[:end], norms[i][j], raws[i][j]))
-        results.append(hyps)
+        for i, hyps in stream.step():
+            results[i] = hyps
     return results
 
 

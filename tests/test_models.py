@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from nmt.models.base import (
+    CACHE_LENGTHS,
     CACHE_PREFIX,
     SOURCE_PREFIX,
     Vocab,
     count_parameters,
     extend_cache,
+    extend_ragged_cache,
     fixed_weights,
     reorder_state,
 )
@@ -217,6 +219,87 @@ def test_extend_cache_is_select_then_append(mode):
             out = extend_cache(cache, rows, new, 2)
             assert torch.equal(out, torch.cat([cache[rows], new], 2))
             assert out.is_contiguous()
+
+
+@pytest.mark.parametrize("mode", [torch.enable_grad, torch.inference_mode])
+def test_join_decodes_each_sentence_as_it_would_alone(variant, mode):
+    """Sentences joined to others half-way through their decoding (`join`: other source
+    lengths, other cache lengths) step as they would alone, through steps in which the
+    joined caches are ragged, and after the longer-running sentences have left."""
+    model = make(variant)
+    src, mask, tgt = batch([5, 3, 6, 2], [7, 7, 7, 7], seed=1)
+    w = 2  # hypotheses per sentence
+    with mode():
+        # a: sentences 0 and 1, two steps ahead; b: sentences 2 and 3 (longer source), fresh
+        state = {}
+        for part in ((0, 1), (2, 3)):
+            idx = torch.tensor(part)
+            s = model.init_state(model.encode(src[idx], mask[idx]))
+            state[part] = reorder_state(s, torch.arange(2).repeat_interleave(w))
+        for t in range(2):
+            _, state[0, 1] = model.step(tgt[:2, t].repeat_interleave(w), state[0, 1])
+        joined = model.join(state[0, 1], state[2, 3])
+        for k, v in joined.items():  # caches keep the rows `rows` points into
+            assert k.startswith(CACHE_PREFIX) or v.size(0) == (4 if k.startswith("src_") else 8)
+        alone = dict(state)
+        for t in range(3):
+            prev = torch.cat([tgt[:2, t + 2], tgt[2:, t]]).repeat_interleave(w)
+            out, joined = model.step(prev, joined)
+            for part, at in (((0, 1), t + 2), ((2, 3), t)):
+                idx = torch.tensor(part)
+                ref, alone[part] = model.step(tgt[idx, at].repeat_interleave(w), alone[part])
+                got = slice(0, 2 * w) if part == (0, 1) else slice(2 * w, 4 * w)
+                torch.testing.assert_close(out.logits[got], ref.logits, atol=1e-5, rtol=1e-5)
+                if out.attention is not None:
+                    att = out.attention[got, : ref.attention.size(1)]
+                    torch.testing.assert_close(att, ref.attention, atol=1e-5, rtol=1e-5)
+                    assert not out.attention[got, ref.attention.size(1) :].any()  # padding
+        # sentences 0 and 1 leave: 2 and 3 go on as alone, their caches no longer ragged
+        left = reorder_state(joined, torch.arange(2 * w, 4 * w), torch.tensor([2, 3]))
+        for t in range(3, 5):
+            out, left = model.step(tgt[2:, t].repeat_interleave(w), left)
+            ref, alone[2, 3] = model.step(tgt[2:, t].repeat_interleave(w), alone[2, 3])
+            torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
+        assert CACHE_LENGTHS not in left
+
+
+def test_joined_caches_are_ragged_until_their_lengths_meet():
+    """A transformer's joined state says how many cache positions each hypothesis has filled
+    (`len`) while they differ; the cache is as long as the longest, zero past each row's."""
+    model = make("transformer-pre")
+    src, mask, tgt = batch([4, 6], [5, 5])
+    with torch.inference_mode():
+        a = model.init_state(model.encode(src[:1], mask[:1]))
+        for t in range(3):
+            _, a = model.step(tgt[:1, t], a)
+        b = model.init_state(model.encode(src[1:], mask[1:]))
+        joined = model.join(a, b)
+        assert joined[CACHE_LENGTHS].tolist() == [3, 0]
+        assert joined["cache_k0"].shape[2] == 3 and not joined["cache_k0"][1].any()
+        _, joined = model.step(tgt[:, 0], joined)
+        assert joined[CACHE_LENGTHS].tolist() == [4, 1]
+        assert joined["cache_v1"].shape[2] == 4 and not joined["cache_v1"][1, :, 1:].any()
+        one = reorder_state(joined, torch.tensor([1]), torch.tensor([1]))  # the longer leaves
+        _, one = model.step(tgt[1:, 1], one)
+        assert CACHE_LENGTHS not in one and one["cache_k0"].shape[2] == 2
+
+
+@pytest.mark.parametrize("mode", [torch.enable_grad, torch.inference_mode])
+def test_extend_ragged_cache_writes_each_row_at_its_length(mode):
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(3, 2, 4, 5, generator=g)
+    cache[1, :, 2:] = 0  # row 1 has filled 2 positions, row 2 one
+    cache[2, :, 1:] = 0
+    rows, lengths = torch.tensor([1, 0, 2]), torch.tensor([2, 4, 1])
+    new = torch.randn(3, 2, 1, 5, generator=g)
+    with mode():
+        out = extend_ragged_cache(cache, rows, new, lengths, 5, 2)
+        shorter = extend_ragged_cache(cache, rows[[0, 2]], new[[0, 2]], lengths[[0, 2]], 3, 2)
+    expected = torch.cat([cache[rows], torch.zeros(3, 2, 1, 5)], 2)
+    for i, at in enumerate(lengths.tolist()):
+        expected[i, :, at] = new[i, :, 0]
+    assert torch.equal(out, expected)
+    assert torch.equal(shorter, expected[[0, 2], :, :3])  # past the longest row: dropped
 
 
 def test_source_state_is_constant_over_steps(variant):

@@ -94,6 +94,22 @@ def test_an_ensembles_scores_are_the_mean_of_its_members(runs, sources, other):
     assert attention.shape == (len(hyp.tokens) + 1, src.size(1))
 
 
+def test_an_ensemble_takes_sentences_into_a_running_search(runs, sources):
+    """In-flight batching (`BeamStream`) of an ensemble across architectures: each member's
+    state is joined by the member (`join`), and every sentence gets the n-best it gets
+    decoded alone."""
+    from test_search import stream_decode
+
+    ensemble = Ensemble([load_model(runs["a"], CPU).model, load_model(runs["rnn"], CPU).model])
+    opts = SearchOptions(beam=3, nbest=2)
+    got, most = stream_decode(ensemble, sources[:10], opts, [2, 0, 3, 1, 0, 2])
+    assert most >= 3
+    for source, hyps in zip(sources[:10], got):
+        (alone,) = decode(ensemble, [source], opts)
+        assert [h.tokens for h in hyps] == [h.tokens for h in alone]
+        assert [h.score for h in hyps] == pytest.approx([h.score for h in alone], abs=1e-4)
+
+
 def test_ensembled_runs_share_one_tokenizer(runs, tmp_path):
     cfg = config.load(
         REPO / "recipes" / "tiny" / "transformer.yaml",

@@ -19,9 +19,10 @@ from conftest import tiny_run
 
 from nmt.config import DecodeConfig
 from nmt.data.prepare import prepare
-from nmt.models.base import StepOutput
+from nmt.models.base import StepOutput, fixed_weights
 from nmt.models.layers import PackedInference
 from nmt.search import (
+    BeamStream,
     SearchOptions,
     SearchStopped,
     beam_search,
@@ -153,6 +154,60 @@ def test_beam_of_one_is_greedy(trained):
     assert tokens_of(b) == tokens_of(g)
     for gh, bh in zip(g, b):
         assert bh[0].logprob == pytest.approx(gh[0].logprob, abs=1e-4)
+
+
+def stream_decode(model, sources, opts, arrivals):
+    """Decode `sources` with a `BeamStream`: before step i the sentences `arrivals[i]`
+    (a count) join those still being decoded. Results by sentence, and the most sentences
+    that were decoded at once."""
+    stream, results, todo, step, most = BeamStream(model, opts), {}, list(sources), 0, 0
+    ids = iter(range(len(sources)))
+    with fixed_weights(model):
+        while todo or stream:
+            n = arrivals[step] if step < len(arrivals) else len(todo)
+            if n and todo:
+                batch, todo = todo[:n], todo[n:]
+                stream.add(*make_batch(batch), [next(ids) for _ in batch])
+            most = max(most, len(stream))
+            if stream:
+                results.update(stream.step())
+            step += 1
+    return [results[i] for i in range(len(sources))], most
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        SearchOptions(beam=1),
+        SearchOptions(beam=4, nbest=2),
+        SearchOptions(beam=3, patience=1.0, length_norm="plain"),
+        SearchOptions(beam=3, length_penalty=0.0, nbest=3),
+        SearchOptions(beam=2, no_repeat_ngram=2, min_len=3, max_len_a=0.0, max_len_b=6),
+    ],
+    ids=["greedy", "beam4-nbest2", "patience", "no-penalty", "constraints"],
+)
+def test_sentences_joining_a_running_search_are_searched_as_alone(trained, opts):
+    """`BeamStream`: sentences that join others half-way through their search (one or a few
+    at a time, of every length) get the n-best lists that `search` gives them on their own,
+    up to rounding of the scores."""
+    sources = varied(trained.sources, 16)
+    arrivals = [3, 0, 1, 2, 0, 0, 1, 1, 0, 4]  # then the rest
+    got, most = stream_decode(trained.model, sources, opts, arrivals)
+    assert most >= 4  # sentences did share the batch
+    for source, hyps in zip(sources, got):
+        src, mask = make_batch([source])
+        (alone,) = search(trained.model, src, mask, opts)
+        assert [h.tokens for h in hyps] == [h.tokens for h in alone]
+        assert [h.score for h in hyps] == pytest.approx([h.score for h in alone], abs=1e-4)
+        assert [h.logprob for h in hyps] == pytest.approx([h.logprob for h in alone], abs=1e-4)
+
+
+def test_a_stream_of_one_batch_is_beam_search(transformer):
+    """All sentences added at once, then stepped to the end: `beam_search` exactly."""
+    sources = transformer.sources[:24]
+    opts = SearchOptions(beam=4, nbest=4)
+    got, _ = stream_decode(transformer.model, sources, opts, [len(sources)])
+    assert got == beam_search(transformer.model, *make_batch(sources), opts)
 
 
 def test_beam_finds_higher_model_scores_than_greedy(transformer):

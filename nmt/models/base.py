@@ -25,6 +25,15 @@ transformer's keys and values) are reordered by the model itself: ``reorder_stat
 them as they are and reorders the per-hypothesis ``rows`` entry, the row of the caches each
 hypothesis continues, with everything else; the next step selects those rows while it copies
 the cache to extend it (`extend_cache`), so a beam step copies each cache once, not twice.
+
+``join(a, b) -> State`` puts the sentences of two states in one (a's, then b's; the same
+number of hypotheses per sentence in both): sentences that start while others are half-way
+through their translation decode beside them (in-flight batching, `nmt.search.BeamStream`).
+The sources of the two may differ in length and so may the caches: `join_states` pads both at
+their ends (zeros, masks False), and a joined cache is *ragged*: the per-hypothesis ``len``
+entry says how many of its positions each hypothesis has filled, the rest being zeros that
+the model masks (`extend_ragged_cache`). Every hypothesis' real positions start at 0, so a
+sentence computes the same sums in a joined batch as alone, only followed by zeros.
 """
 
 from __future__ import annotations
@@ -83,6 +92,8 @@ class TranslationModel(Protocol):
 
     def step(self, prev: Tensor, state: State) -> tuple[StepOutput, State]: ...
 
+    def join(self, a: State, b: State) -> State: ...
+
     def parameters(self): ...
 
     def modules(self): ...
@@ -93,6 +104,7 @@ class TranslationModel(Protocol):
 SOURCE_PREFIX = "src_"
 CACHE_PREFIX = "cache_"
 CACHE_ROWS = "rows"
+CACHE_LENGTHS = "len"  # per hypothesis, in ragged states only: its filled cache positions
 
 
 def source_state(state: State) -> State:
@@ -133,6 +145,74 @@ def extend_cache(cache: Tensor, rows: Tensor, new: Tensor, dim: int) -> Tensor:
     out = new.new_empty(*new.shape[:dim], t + new.size(dim), *new.shape[dim + 1 :])
     torch.index_select(cache, 0, rows, out=out.narrow(dim, 0, t))
     out.narrow(dim, t, new.size(dim)).copy_(new)
+    return out
+
+
+def extend_ragged_cache(
+    cache: Tensor, rows: Tensor, new: Tensor, lengths: Tensor, size: int, dim: int
+) -> Tensor:
+    """A ragged cache's rows `rows`, each with its `new` entry (one position along `dim`)
+    written at its own length (`lengths` [N]): a cache of `size` positions along `dim`, zero
+    past each row's filled ones. Positions beyond `size` (of hypotheses longer than any left)
+    are dropped. `extend_cache` when every row is `size - 1` long."""
+    n, keep = rows.numel(), min(cache.size(dim), size)
+    shape = (*new.shape[:dim], size, *new.shape[dim + 1 :])
+    kept = cache.narrow(dim, 0, keep)
+    if cache.device.type == "cpu" and not torch.is_grad_enabled():
+        out = new.new_empty(shape)
+        torch.index_select(kept, 0, rows, out=out.narrow(dim, 0, keep))
+        out.narrow(dim, keep, size - keep).zero_()
+    else:
+        pad = new.new_zeros((*shape[:dim], size - keep, *shape[dim + 1 :]))
+        out = torch.cat([kept.index_select(0, rows), pad], dim)
+    value = new.select(dim, 0)  # [N, ...]: the new entries without their position dimension
+    at = (torch.arange(n, device=new.device), lengths)  # (row, position) of each new entry
+    if out.requires_grad or value.requires_grad:  # autograd: out of place
+        return out.movedim(dim, 1).index_put(at, value).movedim(1, dim)
+    out.movedim(dim, 1)[at] = value  # a view of out: written in place
+    return out
+
+
+def pad_end(x: Tensor, dim: int, size: int) -> Tensor:
+    """x padded at the end of `dim` to `size` with zeros (False for masks)."""
+    if x.size(dim) >= size:
+        return x
+    shape = (*x.shape[:dim], size - x.size(dim), *x.shape[dim + 1 :])
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def join_states(a: State, b: State, lengths: dict[str, int]) -> State:
+    """The state of a's sentences followed by b's (the same hypotheses per sentence in
+    both; see the module docstring): every entry of the two concatenated along dimension 0,
+    those named in `lengths` first padded to the longer of the two along the dimension it
+    gives (the source positions of ``src_*`` entries, the positions of ``cache_*`` ones). b's
+    ``rows`` point past a's cache rows. When the caches' filled lengths differ, the result
+    has the per-hypothesis ``len`` entry (a ragged state)."""
+    if set(a) - {CACHE_LENGTHS} != set(b) - {CACHE_LENGTHS}:
+        raise ValueError(f"cannot join states with entries {sorted(a)} and {sorted(b)}")
+    out: State = {}
+    for key, x in a.items():
+        if key == CACHE_LENGTHS:
+            continue
+        y = b[key]
+        if key in lengths:
+            size = max(x.size(lengths[key]), y.size(lengths[key]))
+            x, y = pad_end(x, lengths[key], size), pad_end(y, lengths[key], size)
+        elif key == CACHE_ROWS:
+            cache = next(k for k in a if k.startswith(CACHE_PREFIX))
+            y = y + a[cache].size(0)
+        out[key] = torch.cat([x, y])
+    caches = [k for k in a if k.startswith(CACHE_PREFIX)]
+    if caches:
+        key, dim = caches[0], lengths[caches[0]]
+        filled = [
+            s[CACHE_LENGTHS]
+            if CACHE_LENGTHS in s
+            else s[CACHE_ROWS].new_full(s[CACHE_ROWS].shape, s[key].size(dim))
+            for s in (a, b)
+        ]
+        if CACHE_LENGTHS in a or CACHE_LENGTHS in b or a[key].size(dim) != b[key].size(dim):
+            out[CACHE_LENGTHS] = torch.cat(filled)
     return out
 
 

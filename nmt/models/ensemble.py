@@ -65,6 +65,11 @@ class Ensemble(nn.Module):
         mean_attention = torch.stack(attention).mean(0) if attention else None
         return StepOutput(logp, mean_attention, log_probs=logp), self._merge(states)
 
+    def join(self, a: State, b: State) -> State:
+        return self._merge(
+            [m.join(_member(i, a), _member(i, b)) for i, m in enumerate(self.members)]
+        )
+
     def forward(
         self, src: Tensor, src_mask: Tensor, tgt_in: Tensor, src_lengths: Tensor | None = None
     ) -> Tensor:

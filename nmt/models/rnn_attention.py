@@ -17,6 +17,7 @@ from nmt.models.base import (
     StepOutput,
     fixed_weights,
     hypotheses_per_sentence,
+    join_states,
     source_state,
 )
 from nmt.models.layers import (
@@ -93,6 +94,9 @@ class RNNAttention(nn.Module):
         y = self.dropout(self.tgt_embed(prev))  # [B,E]
         readout, weights, new_state = self._step(y, state)
         return StepOutput(self.output(self.dropout(readout)), weights), new_state
+
+    def join(self, a: State, b: State) -> State:
+        return join_states(a, b, {"src_memory": 1, "src_keys": 1, "src_mask": 1})
 
     def forward(
         self, src: Tensor, src_mask: Tensor, tgt_in: Tensor, src_lengths: Tensor | None = None

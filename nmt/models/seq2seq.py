@@ -10,7 +10,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from nmt.models.base import State, StepOutput, hypotheses_per_sentence, source_state
+from nmt.models.base import (
+    State,
+    StepOutput,
+    hypotheses_per_sentence,
+    join_states,
+    source_state,
+)
 from nmt.models.layers import RNN, Dropout, Embedding, Linear, OutputProjection, RNNEncoder
 
 
@@ -61,6 +67,9 @@ class Seq2Seq(nn.Module):
     def step(self, prev: Tensor, state: State) -> tuple[StepOutput, State]:
         logits, new_state = self._decode(prev[:, None], state)  # [B,1,V]
         return StepOutput(logits[:, 0], None), new_state
+
+    def join(self, a: State, b: State) -> State:
+        return join_states(a, b, {})  # nothing per source position
 
     def forward(
         self, src: Tensor, src_mask: Tensor, tgt_in: Tensor, src_lengths: Tensor | None = None

@@ -7,7 +7,8 @@ Decoding state: per layer, the self-attention cache `cache_k{i}`/`cache_v{i}` [N
 N hypotheses grows by one position per step (`rows` says which cache row each hypothesis
 continues, see `nmt.models.base`); the cross-attention keys/values `src_k{i}`/`src_v{i}`
 [B,H,S,Dh] are computed once per sentence in `init_state`, and the hypotheses of a sentence
-query them together.
+query them together. A joined state (`join`) may be ragged: its hypotheses have filled
+`len` [N] positions of the cache each, the rest zeros that self-attention masks.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nmt.models.base import (
+    CACHE_LENGTHS,
     CACHE_ROWS,
     State,
     StepOutput,
     extend_cache,
+    extend_ragged_cache,
     hypotheses_per_sentence,
+    join_states,
     source_state,
 )
 from nmt.models.layers import Dropout, Embedding, Linear, OutputProjection, Positions, softmax
@@ -237,14 +241,23 @@ class DecoderLayer(nn.Module):
         k: Tensor,
         v: Tensor,
         mask: Tensor,
+        ragged: tuple[Tensor, int, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """One position x[N,1,D] of N hypotheses, which continue the rows `rows` [N] of the
         cache [M,H,t,Dh], against their sentences' source k/v[B,H,S,Dh] -> y, cache_k' and
-        cache_v' [N,H,t+1,Dh], and the cross-attention weights [N,H,S]."""
+        cache_v' [N,H,t+1,Dh], and the cross-attention weights [N,H,S]. In a ragged state,
+        `ragged` = (filled lengths [N], the new cache size t', self-attention mask
+        [N,1,1,t']): each new position is written at its hypothesis' length."""
         q, k_new, v_new = self.self_attn.project(self.res_self.inner(x))  # [N,H,1,Dh]
-        cache_k = extend_cache(cache_k, rows, k_new, 2)  # [N,H,t+1,Dh]
-        cache_v = extend_cache(cache_v, rows, v_new, 2)
-        y, _ = attend_step(q, cache_k, cache_v)  # all cached positions are past
+        if ragged is None:
+            cache_k = extend_cache(cache_k, rows, k_new, 2)  # [N,H,t+1,Dh]
+            cache_v = extend_cache(cache_v, rows, v_new, 2)
+            y, _ = attend_step(q, cache_k, cache_v)  # all cached positions are past
+        else:
+            lengths, size, self_mask = ragged
+            cache_k = extend_ragged_cache(cache_k, rows, k_new, lengths, size, 2)  # [N,H,t',Dh]
+            cache_v = extend_ragged_cache(cache_v, rows, v_new, lengths, size, 2)
+            y, _ = attend_step(q, cache_k, cache_v, self_mask)  # the filled positions
         x = self.res_self.outer(x, self.self_attn.out(merge_heads(y)))
         y, weights = self.cross_attn.step(self.res_cross.inner(x), k, v, mask)
         x = self.res_cross.outer(x, y)
@@ -330,14 +343,29 @@ class Transformer(nn.Module):
             "pos": pos + 1,
             CACHE_ROWS: torch.arange(n, device=prev.device),
         }
+        ragged = None
+        lengths = state.get(CACHE_LENGTHS)  # [N], in a ragged state
+        if lengths is not None:
+            shortest, longest = torch.stack(lengths.aminmax()).tolist()
+            size = longest + 1  # the cache after this step: as long as its longest row
+            filled = torch.arange(size, device=prev.device) <= lengths[:, None]  # [N,t']
+            ragged = (lengths, size, filled[:, None, None, :])  # mask [N,1,1,t']
+            if shortest < longest:  # else every row fills the whole cache now: not ragged
+                new_state[CACHE_LENGTHS] = lengths + 1
         for i, layer in enumerate(self.decoder):
             ck, cv = state[f"cache_k{i}"], state[f"cache_v{i}"]
             k, v = state[f"src_k{i}"], state[f"src_v{i}"]
-            x, ck, cv, weights = layer.step(x, ck, cv, rows, k, v, mask)
+            x, ck, cv, weights = layer.step(x, ck, cv, rows, k, v, mask, ragged)
             new_state.update({f"cache_k{i}": ck, f"cache_v{i}": cv})
         logits = self.output(self.dec_norm(x[:, 0]))  # [N,V]
         attention = weights.mean(1)  # last layer, averaged over heads [N,S]
         return StepOutput(logits, attention), new_state
+
+    def join(self, a: State, b: State) -> State:
+        lengths = {"src_mask": 1}
+        for i in range(len(self.decoder)):
+            lengths.update({f"src_k{i}": 2, f"src_v{i}": 2, f"cache_k{i}": 2, f"cache_v{i}": 2})
+        return join_states(a, b, lengths)
 
     def forward(
         self, src: Tensor, src_mask: Tensor, tgt_in: Tensor, src_lengths: Tensor | None = None
