@@ -1,8 +1,11 @@
-"""What decodes lines for `nmt translate` and `nmt evaluate`: nmt's own search over the run's
-model (`NMTEngine`), or CTranslate2 over the run's export (`CT2Engine`, `--engine
-ctranslate2`). One interface, `Engine.translate(lines, opts, batch_tokens, progress,
+"""What decodes lines for `nmt translate`, `nmt evaluate` and `nmt serve`: nmt's own search
+over the run's model (`NMTEngine`), or CTranslate2 over the run's export (`CT2Engine`,
+`--engine ctranslate2`). One interface, `Engine.translate(lines, opts, batch_tokens, progress,
 workers)`, n-best (text, Hypothesis) per line as `nmt.translate.translate_lines` returns them,
-so a caller switches decoder by opening another engine (`open_engine`).
+so a caller switches decoder by opening another engine (`open_engine`); and `Engine.stream(opts)`
+for a server, lines added between the steps of a running decode: nmt's search takes them into
+the running batch (`NMTStream`, in-flight batching); CTranslate2, which decodes whole batches,
+takes them at the next step (`BatchStream`).
 
 CTranslate2 honours nmt's search settings where it can and `CT2Engine.check` refuses the
 others with one line. What matches, and why (CTranslate2's src/decoding.cc, v4.8):
@@ -44,13 +47,37 @@ import torch
 from nmt import NMTError
 from nmt.config import Config
 from nmt.data.tokenizer import Tokenizer
-from nmt.device import resolve_precision
+from nmt.device import autocast, resolve_precision
 from nmt.models.base import fixed_weights
-from nmt.search import Hypothesis, SearchOptions, length_limits, length_penalty
+from nmt.search import BeamStream, Hypothesis, SearchOptions, length_limits, length_penalty
 from nmt.special import EOS_ID
-from nmt.translate import decode_workers, load_models, model_facts, translate_lines
+from nmt.translate import (
+    decode_workers,
+    load_models,
+    model_facts,
+    source_batch,
+    source_mask,
+    translate_lines,
+)
 
 ENGINES = ("nmt", "ctranslate2")
+
+# (text, hypothesis) per hypothesis, best first: an engine's n-best list of one line
+NBest = list[tuple[str, Hypothesis]]
+
+
+class Stream(Protocol):
+    """Lines decoded while other lines come and go (a server's batch): `add` lines between
+    steps, `step` decodes and returns the lines that are done. Used by one thread at a time."""
+
+    def __len__(self) -> int:
+        """Lines added and not yet returned."""
+
+    def add(self, lines: list[str], ids: list) -> None:
+        """Decode these (non-empty) lines from the next step on; `ids` name them in `step`."""
+
+    def step(self) -> list[tuple[object, NBest]]:
+        """Decode; (id, n-best) of the lines that are done."""
 
 
 class Engine(Protocol):
@@ -81,6 +108,9 @@ class Engine(Protocol):
         workers: int = 0,
     ) -> list[list[tuple[str, Hypothesis]]]:
         """n-best (text, hypothesis) per input line; empty lines give an empty list."""
+
+    def stream(self, opts: SearchOptions) -> Stream:
+        """A `Stream` decoding lines with search settings `opts` (checked by `check`)."""
 
 
 @dataclasses.dataclass
@@ -127,6 +157,60 @@ class NMTEngine:
             progress,
             workers,
         )
+
+    def stream(self, opts: SearchOptions) -> NMTStream:
+        return NMTStream(self, opts)
+
+
+class NMTStream:
+    """In-flight batching (`nmt.search.BeamStream`): added lines join the sentences being
+    decoded at the next step, each searched as it would be alone, and leave the batch when
+    they end. The caller holds the model's weights fixed (`NMTEngine.held`)."""
+
+    def __init__(self, engine: NMTEngine, opts: SearchOptions) -> None:
+        self.engine = engine
+        self.search = BeamStream(engine.model, opts)
+
+    def __len__(self) -> int:
+        return len(self.search)
+
+    def add(self, lines: list[str], ids: list) -> None:
+        e = self.engine
+        src = source_batch(e.tokenizer.encode_src(lines)).to(e.device)
+        with autocast(e.device, e.precision):  # thread-local
+            self.search.add(src, source_mask(src), ids)
+
+    def step(self) -> list[tuple[object, NBest]]:
+        e = self.engine
+        with autocast(e.device, e.precision):
+            ended = self.search.step()
+        return [
+            (i, list(zip(e.tokenizer.decode_tgt([h.tokens for h in hyps]), hyps)))
+            for i, hyps in ended
+        ]
+
+
+class BatchStream:
+    """For an engine that decodes whole batches (`Engine.translate`): the lines added since
+    the last step are decoded together at the next one, as one batch on the calling thread."""
+
+    def __init__(self, engine: Engine, opts: SearchOptions, max_tokens: int) -> None:
+        self.engine, self.opts, self.max_tokens = engine, opts, max_tokens
+        self.pending: list[tuple[object, str]] = []
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def add(self, lines: list[str], ids: list) -> None:
+        self.pending.extend(zip(ids, lines))
+
+    def step(self) -> list[tuple[object, NBest]]:
+        ids, lines = zip(*self.pending) if self.pending else ((), ())
+        self.pending = []
+        # a budget for all of them at the longest a line may be: one batch
+        budget = len(lines) * (self.max_tokens + 1) * self.opts.beam
+        results = self.engine.translate(list(lines), self.opts, batch_tokens=budget, workers=1)
+        return list(zip(ids, results))
 
 
 SUPPRESSED = [["<pad>"], ["<s>"]]  # nmt never generates PAD or BOS
@@ -293,6 +377,9 @@ class CT2Engine:
             texts = self.tokenizer.decode_tgt([h.tokens for h in nbest])
             out[i] = list(zip(texts, nbest))
         return out
+
+    def stream(self, opts: SearchOptions) -> BatchStream:
+        return BatchStream(self, opts, max(self.positions, 1))
 
     def _hypotheses(self, result, alpha: float, opts: SearchOptions) -> list[Hypothesis]:
         """nmt's hypotheses of a CTranslate2 result: token ids, and the score normalised as

@@ -7,15 +7,18 @@
     GET  /stats       requests, sentences and batches decoded so far
     GET  /            a page to try the models (nmt/static/), /docs the OpenAPI page
 
-Decoding: every sentence of every request joins a queue per (model, search options);
-`workers` decoding threads (`Batcher`) each take what arrived within `max_wait_ms`, up to
-`max_batch_tokens` (sentences x longest source x beam, padding included, as `nmt translate`
-packs), a sentence of each waiting request in turn, so a long request is cut into batches
-shared with the requests behind it; threads that are idle at once share what is waiting. A
-batch goes to the model's engine (`nmt.engine`, as `nmt translate --engine` picks: nmt's own
-search, sorted by length and searched as it would be alone, or CTranslate2 over the run's
-export); each request is answered when its last sentence is decoded. The event loop only
-parses, validates and waits.
+Decoding: every sentence of every request joins a queue per (model, search options).
+`workers` decoding threads (`Batcher`) each keep a running batch per queue they decode, the
+model engine's stream (`nmt.engine`, as `nmt translate --engine` picks). Between two steps of
+it a thread takes waiting sentences in, up to `max_batch_tokens` (sentences x longest source x
+beam, padding included, as `nmt translate` packs) and its share of the work, a sentence of
+each waiting request in turn: with nmt's own search they join the sentences half-way through
+their translation (in-flight batching, `nmt.search.BeamStream`), each searched as it would be
+alone, and leave the batch as soon as they end; CTranslate2 decodes what was taken as one
+batch. So a long request shares the batch with the requests behind it, and a sentence waits
+for no other's end. An idle thread first gathers what arrives within `max_wait_ms`. Each
+request is answered when its last sentence is decoded. The event loop only parses,
+validates and waits.
 
 Errors: a client's mistake is a 4xx JSON body `{"error": "one sentence"}`; a decoding error
 fails the requests of its batch alone (each is retried alone to find the one that fails),
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import itertools
 import json
 import logging
 import tempfile
@@ -34,7 +38,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -166,8 +170,9 @@ class ServedModel:
         return self.engine.precision
 
     def translate(self, lines: list[str], opts: SearchOptions) -> list[NBest]:
-        """One batch packed by the `Batcher`, decoded in the calling thread as one batch: its
-        token budget covers the lines at the longest a line may be."""
+        """Lines decoded in the calling thread as one batch, apart from any other (a request
+        decoded again alone after its running batch failed): its token budget covers the
+        lines at the longest a line may be."""
         budget = len(lines) * (self.max_tokens + 1) * opts.beam
         nbest = self.engine.translate(lines, opts, batch_tokens=budget, workers=1)
         return [[(text, hyp.score) for text, hyp in hyps] for hyps in nbest]
@@ -284,7 +289,7 @@ def load_served(
 
 @dataclass
 class Job:
-    """One request's sentences in the queue: results fill in as batches finish."""
+    """One request's sentences in the queue: results fill in as they are decoded."""
 
     model: ServedModel
     opts: SearchOptions
@@ -294,6 +299,7 @@ class Job:
     arrived: float
     results: list[NBest | None] = field(default_factory=list)
     remaining: int = 0
+    decoding: int = 0  # sentences taken and not yet decoded
     failed: bool = False
     cancelled: bool = False
 
@@ -302,26 +308,54 @@ class Job:
 class Stats:
     requests: int = 0
     sentences: int = 0
-    batches: int = 0
+    batches: int = 0  # groups of sentences taken from the queue into a decoding batch
     combined_batches: int = 0  # batches holding sentences of 2 or more requests
     failed_requests: int = 0
     largest_batch: int = 0
+    steps: int = 0  # decoding steps (a whole batch, for an engine without in-flight batching)
+    step_sentences: int = 0  # sentences in those steps, summed
+    joined: int = 0  # sentences that joined a batch half-way through others' decoding
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
+        del out["step_sentences"]
         out["sentences_per_batch"] = self.sentences / self.batches if self.batches else None
+        out["sentences_per_step"] = self.step_sentences / self.steps if self.steps else None
         return out
+
+
+@dataclass
+class Slot:
+    """A decoding thread's running batch for one queue (model and search options): the
+    engine's stream and what each sentence in it is (job, line index, cost)."""
+
+    model: ServedModel
+    opts: SearchOptions
+    stream: Any  # nmt.engine.Stream
+    members: dict[int, tuple[Job, int, int]] = field(default_factory=dict)
+
+    def cost(self, extra: int = 0, longest: int = 0) -> int:
+        """Sentences x the longest one's cost, with `extra` more of cost up to `longest`."""
+        costs = [c for _, _, c in self.members.values()]
+        return (len(costs) + extra) * max([longest, *costs])
 
 
 class Batcher:
     """Sentences of many requests decoded together, by `workers` threads (see the module
     docstring). `submit` is called on the event loop; everything else runs in the threads.
 
-    Each worker waits for work, then until the oldest waiting sentence has waited
-    `max_wait` seconds, or nothing has arrived for a fifth of that (a burst of requests is
-    over: a lone request does not wait the whole time), or the waiting sentences fill a
-    batch; then it takes one batch and decodes it. With 2 workers on 2 cores one batch decodes while the next one gathers (the way
-    `decode_batches` keeps both cores busy), each worker with half of torch's threads."""
+    Each thread keeps a running batch per queue it decodes (a `Slot`: the engine's stream).
+    Between two steps it takes waiting sentences into them: into a running batch as long as
+    sentences x its longest cost stays within the budget and the thread holds no more than
+    its share of all the sentences being decoded or waiting (so that 2 threads decode 16
+    each of 32, not 32 beside an idle core); sentences of the requests with the fewest in
+    flight first, so that a short request sent after a long one joins at once. With nmt's
+    engine they join the sentences half-way through their translation (in-flight batching)
+    and leave when done. A thread with nothing to decode waits first until the oldest
+    waiting sentence has waited `max_wait` seconds, or nothing has arrived for a fifth of
+    that (a burst of requests is over: a lone request does not wait the whole time), or the
+    waiting sentences fill a batch. With 2 threads on 2 cores, each has half of torch's
+    threads (the way `decode_batches` keeps both cores busy)."""
 
     def __init__(self, max_batch_tokens: int | None, max_wait_ms: float, workers: int) -> None:
         self.budget = max_batch_tokens
@@ -331,7 +365,7 @@ class Batcher:
         self._queues: dict[tuple[str, SearchOptions], deque[Job]] = {}
         self._costs: dict[tuple[str, SearchOptions], int] = {}  # waiting cost per queue
         self._queued = 0  # sentences waiting
-        self._busy = 0  # threads decoding a batch
+        self._decoding = 0  # sentences in the threads' running batches
         self._cond = threading.Condition()
         self._closing = False
         self._threads: list[threading.Thread] = []
@@ -365,7 +399,7 @@ class Batcher:
         done: Callable[[list[NBest] | None, BaseException | None], None],
     ) -> Job:
         """Queue the (non-empty, stripped) lines of one request; `done(results, error)` is
-        called from a decoding thread once all are decoded, or the first batch fails."""
+        called from a decoding thread once all are decoded, or one of them fails."""
         costs = [(n + 1) * opts.beam for n in lengths]  # source tokens + EOS, x beam
         order = sorted(range(len(lines)), key=lambda i: costs[i])
         job = Job(model, opts, lines, deque((i, costs[i]) for i in order), done, time.monotonic())
@@ -382,7 +416,8 @@ class Batcher:
         return job
 
     def cancel(self, job: Job) -> None:
-        """The client went away: its sentences not yet taken are dropped."""
+        """The client went away: its sentences not yet taken are dropped (those being
+        decoded finish, unanswered)."""
         with self._cond:
             job.cancelled = True
             self._drop(job)
@@ -415,95 +450,158 @@ class Batcher:
         torch.get_num_threads()
         torch.set_num_threads(threads)
         started.wait()
+        slots: dict[tuple[str, SearchOptions], Slot] = {}
+        ids = itertools.count()
         while True:
-            batch = self._next_batch()
-            if batch is None:
+            taken = self._next(slots)
+            if taken is None:
                 return
-            try:
-                self._decode(batch)
-            finally:
-                with self._cond:
-                    self._busy -= 1
+            for key, batch in taken:
+                if key not in slots:
+                    job = batch[0][0]
+                    slots[key] = Slot(job.model, job.opts, job.model.engine.stream(job.opts))
+                self._add(slots[key], batch, ids)
+            for key, slot in list(slots.items()):
+                if slot.members:
+                    self._step(slot)
+                if not slot.members:
+                    del slots[key]
 
-    def _budget(self, key: tuple[str, SearchOptions], jobs: deque[Job]) -> int:
+    def _budget(self, jobs: deque[Job]) -> int:
         return self.budget or jobs[0].model.config.decode.batch_tokens
 
-    def _next_batch(self) -> list[tuple[Job, int]] | None:
+    def _next(self, slots: dict[tuple[str, SearchOptions], Slot]) -> list | None:
+        """What to add to this thread's running batches before its next step: [(queue key,
+        [(job, line index, cost)])], possibly none; None once the server is closing and
+        nothing is left to decode."""
         with self._cond:
             while True:
+                mine = sum(len(slot.members) for slot in slots.values())
+                if self._queues and (mine or self._gathered()):
+                    taken = self._take(slots, mine)
+                    if self._queues:
+                        self._cond.notify()  # what is left may be another thread's to take
+                    return taken
+                if mine:
+                    return []
+                if self._closing:
+                    return None
                 if not self._queues:
-                    if self._closing:
-                        return None
                     self._cond.wait()
                     continue
-                # the queue whose oldest request has waited longest
-                key, jobs = min(self._queues.items(), key=lambda kv: kv[1][0].arrived)
+                jobs = min(self._queues.values(), key=lambda q: q[0].arrived)
                 now = time.monotonic()
                 waited, quiet = now - jobs[0].arrived, now - jobs[-1].arrived
-                full = self._costs[key] >= self._budget(key, jobs)
-                if waited >= self.max_wait or quiet >= self.max_wait / 5 or full or self._closing:
-                    batch = self._take(key, jobs)
-                    self._busy += 1
-                    if self._queues:
-                        self._cond.notify()  # what is left is another thread's to take
-                    return batch
                 self._cond.wait(min(self.max_wait - waited, self.max_wait / 5 - quiet))
 
-    def _take(self, key: tuple[str, SearchOptions], jobs: deque[Job]) -> list[tuple[Job, int]]:
-        """One batch from one queue: a sentence of each request in turn (oldest first),
-        while sentences x longest cost stays within the budget, and no more than this
-        thread's share when other threads are idle: 32 sentences and 2 idle threads make 2
-        batches of 16 decoded at once, not one of 32 beside an idle core."""
-        budget, batch, longest, taken = self._budget(key, jobs), [], 0, 0
-        waiting = sum(len(j.pending) for j in jobs)
-        share = -(-waiting // max(1, self.workers - self._busy))
-        full = False
-        while not full and len(batch) < share:
-            took = False
-            for job in jobs:
-                if not job.pending:
-                    continue
-                i, cost = job.pending[0]
-                if batch and (
-                    (len(batch) + 1) * max(longest, cost) > budget or len(batch) >= share
-                ):
-                    full = True
-                    break
-                job.pending.popleft()
-                batch.append((job, i))
-                longest, taken, took = max(longest, cost), taken + cost, True
-            full = full or not took
-        left = deque(j for j in jobs if j.pending)
-        if left:
-            self._queues[key] = left
-            self._costs[key] -= taken
-        else:
-            del self._queues[key], self._costs[key]
-        self._queued -= len(batch)
-        return batch
+    def _gathered(self) -> bool:
+        """Whether an idle thread starts now (under the lock): see the class docstring."""
+        if self._closing:
+            return True
+        key, jobs = min(self._queues.items(), key=lambda kv: kv[1][0].arrived)
+        now = time.monotonic()
+        waited, quiet = now - jobs[0].arrived, now - jobs[-1].arrived
+        full = self._costs[key] >= self._budget(jobs)
+        return waited >= self.max_wait or quiet >= self.max_wait / 5 or full
 
-    def _decode(self, batch: list[tuple[Job, int]]) -> None:
-        batch = [(job, i) for job, i in batch if not (job.failed or job.cancelled)]
-        if not batch:
-            return
-        job0 = batch[0][0]
-        try:
-            results = job0.model.translate([job.lines[i] for job, i in batch], job0.opts)
-        except Exception as e:
-            requests = {id(job): job for job, _ in batch}
-            if len(requests) == 1:
-                self._fail(job0, e)
-            else:  # find the request that fails: each alone, the others still answered
-                for job in requests.values():
-                    self._decode([(j, i) for j, i in batch if j is job])
-            return
-        finished = []
-        with self._cond:  # a request's sentences may be decoded by two threads at once
+    def _take(self, slots: dict, mine: int) -> list:
+        """Waiting sentences for this thread's running batches (under the lock): within each
+        batch's budget, and no more in all than this thread's share of the sentences being
+        decoded or waiting; a sentence of each waiting request in turn, the requests with the
+        fewest sentences in flight first."""
+        share = -(-(self._queued + self._decoding) // self.workers) - mine
+        share = max(share, 1 if not mine else 0)
+        taken = []
+        for key in sorted(self._queues, key=lambda k: self._queues[k][0].arrived):
+            if share <= 0:
+                break
+            jobs = self._queues[key]
+            slot = slots.get(key)
+            budget = self._budget(jobs)
+            batch: list[tuple[Job, int, int]] = []
+            longest, cost_taken, full = 0, 0, False
+            order = sorted(jobs, key=lambda j: (j.decoding, j.arrived))
+            while not full and len(batch) < share:
+                took = False
+                for job in order:
+                    if not job.pending:
+                        continue
+                    i, cost = job.pending[0]
+                    longest_next = max(longest, cost)
+                    if slot is not None:
+                        size = slot.cost(len(batch) + 1, longest_next)
+                    else:
+                        size = (len(batch) + 1) * longest_next
+                    if (batch or (slot is not None and slot.members)) and size > budget:
+                        full = True
+                        break
+                    if len(batch) >= share:
+                        full = True
+                        break
+                    job.pending.popleft()
+                    job.decoding += 1
+                    batch.append((job, i, cost))
+                    longest, cost_taken, took = longest_next, cost_taken + cost, True
+                full = full or not took
+            if not batch:
+                continue
+            left = deque(j for j in jobs if j.pending)
+            if left:
+                self._queues[key] = left
+                self._costs[key] -= cost_taken
+            else:
+                del self._queues[key], self._costs[key]
+            self._queued -= len(batch)
+            self._decoding += len(batch)
+            share -= len(batch)
             self.stats.batches += 1
             self.stats.sentences += len(batch)
             self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
-            self.stats.combined_batches += len({id(job) for job, _ in batch}) > 1
-            for (job, i), nbest in zip(batch, results):
+            self.stats.combined_batches += len({id(job) for job, _, _ in batch}) > 1
+            taken.append((key, batch))
+        return taken
+
+    def _add(self, slot: Slot, batch: list[tuple[Job, int, int]], ids: Iterator[int]) -> None:
+        over = [m[0].failed or m[0].cancelled for m in batch]
+        if any(over):  # their requests are over: counted out, not decoded
+            self._finish([(m, []) for m, gone in zip(batch, over) if gone])
+            batch = [m for m, gone in zip(batch, over) if not gone]
+        if not batch:
+            return
+        new = {next(ids): member for member in batch}
+        try:
+            slot.stream.add([job.lines[i] for job, i, _ in batch], list(new))
+        except Exception as e:  # these sentences never joined the running batch
+            self._recover(slot, list(new.values()), e)
+            return
+        if slot.members:
+            with self._cond:
+                self.stats.joined += len(new)
+        slot.members.update(new)
+
+    def _step(self, slot: Slot) -> None:
+        try:
+            ended = slot.stream.step()
+        except Exception as e:  # the running batch is lost: decode its requests again
+            members = list(slot.members.values())
+            slot.members.clear()
+            slot.stream = slot.model.engine.stream(slot.opts)
+            self._recover(slot, members, e)
+            return
+        with self._cond:
+            self.stats.steps += 1
+            self.stats.step_sentences += len(slot.members)
+        self._finish(
+            [(slot.members.pop(sid), [(t, h.score) for t, h in nbest]) for sid, nbest in ended]
+        )
+
+    def _finish(self, decoded: list[tuple[tuple[Job, int, int], NBest]]) -> None:
+        """Record decoded sentences; answer the requests that are complete."""
+        finished = []
+        with self._cond:  # a request's sentences may be decoded by two threads at once
+            for (job, i, _), nbest in decoded:
+                job.decoding -= 1
+                self._decoding -= 1
                 if job.failed or job.cancelled:
                     continue
                 job.results[i] = nbest
@@ -513,7 +611,32 @@ class Batcher:
         for job in finished:
             job.done(job.results, None)
 
+    def _recover(self, slot: Slot, members: list[tuple[Job, int, int]], error: Exception) -> None:
+        """Decoding `members` failed with `error`. The sentences of one request: that request
+        fails. Of several: each request's are decoded again alone (`ServedModel.translate`),
+        so that the one that fails fails alone and the others are answered."""
+        groups: dict[int, list[tuple[Job, int, int]]] = {}
+        for member in members:
+            groups.setdefault(id(member[0]), []).append(member)
+        for group in groups.values():
+            job = group[0][0]
+            if len(groups) == 1:
+                self._fail(job, error)
+                self._finish([(m, []) for m in group])  # counted out; failed: not recorded
+                continue
+            try:
+                if job.failed or job.cancelled:
+                    results: list[NBest] = [[] for _ in group]
+                else:
+                    results = job.model.translate([job.lines[i] for _, i, _ in group], job.opts)
+            except Exception as e:
+                self._fail(job, e)
+                results = [[] for _ in group]
+            self._finish(list(zip(group, results)))
+
     def _fail(self, job: Job, error: Exception) -> None:
+        if job.failed:  # its sentences in another batch failed already
+            return
         log.error(
             "decoding failed for a request of %d line(s) to model %s:\n%s",
             len(job.lines),

@@ -17,7 +17,8 @@ What is measured
     answer must be 200 with one translation.
   * requests/s and sentences/s: over the row's wall time, first request sent to last answer
     received; latencies from writing a request to reading its whole answer (p50, p95, p99,
-    max). Batches and sentences per batch: the server's /stats before and after the row.
+    max). Batches (groups of sentences taken from the queue at once) and decoding steps, and
+    the mean number of sentences a step decoded: the server's /stats before and after the row.
   * Offline: `nmt.translate.translate_lines` as `nmt translate RUN --beam B` runs it (the
     run's decode.batch_tokens and decode.workers, sorted by length), in this process, while
     the server is not running, after a warm-up on 64 sentences: --offline-repeats passes
@@ -258,15 +259,21 @@ def main(argv: list[str] | None = None) -> None:
             row = asyncio.run(load(port, sentences, clients, args.beam, args.seconds))
             _, after = get_json(f"http://{HOST}:{port}/stats")
             batches = after["batches"] - before["batches"]
+            steps = after["steps"] - before["steps"]
+            in_steps = after["sentences_per_step"] * after["steps"] - (
+                (before["sentences_per_step"] or 0) * before["steps"]
+            )
             row.update(
                 load_average_1m=load_avg,
                 batches=batches,
                 sentences_per_batch=(after["sentences"] - before["sentences"]) / max(batches, 1),
+                steps=steps,
+                sentences_per_step=in_steps / max(steps, 1),
             )
             rows.append(row)
             print(
                 f"{clients} clients: {row['sentences_per_s']:.1f} sentences/s, p99 "
-                f"{row['p99_ms']:.0f} ms, {row['sentences_per_batch']:.1f} sentences/batch"
+                f"{row['p99_ms']:.0f} ms, {row['sentences_per_step']:.1f} sentences a step"
             )
     finally:
         server.terminate()
@@ -311,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
             ("p50_ms", "p50 ms"),
             ("p95_ms", "p95 ms"),
             ("p99_ms", "p99 ms"),
-            ("sentences_per_batch", "sent/batch"),
+            ("sentences_per_step", "sent/step"),
             ("ratio_to_offline", "x offline"),
             ("identical_to_offline", "same text"),
             ("load_average_1m", "load"),
