@@ -211,12 +211,15 @@ def greedy(
     stop: threading.Event | None = None,
 ) -> list[list[Hypothesis]]:
     """Greedy (or sampled, with opts.sample) decoding of src[B,S]; raises SearchStopped at the
-    next step once `stop` is set."""
+    next step once `stop` is set. Sentences that end stay in the batch, unread, until the
+    live ones fit in fewer rows (`batch_rows`)."""
     b = src.size(0)
     device = src.device
     state = _start(model, src, src_mask)
     limit = max_lengths(src_mask, opts)  # [B]
-    alive = torch.arange(b, device=device)  # original ids of active rows
+    alive = torch.arange(b, device=device)  # original ids of the rows
+    live = torch.ones(b, dtype=torch.bool, device=device)  # rows still being decoded
+    n_live = b
     tokens = torch.zeros(b, 0, dtype=torch.long, device=device)
     scores = torch.zeros(b, device=device)
     prev = torch.full((b,), BOS_ID, dtype=torch.long, device=device)
@@ -234,18 +237,23 @@ def greedy(
             nxt = topk_candidates(logp, 1)[1].squeeze(1)  # [b] argmax
         scores = scores + logp.gather(1, nxt[:, None]).squeeze(1)
         tokens = torch.cat([tokens, nxt[:, None]], 1)
-        done = nxt == EOS_ID
+        done = (nxt == EOS_ID) & live
         if done.any():
-            for row in done.nonzero().flatten().tolist():  # bookkeeping of finished outputs only
+            ended = done.nonzero().flatten().tolist()
+            for row in ended:  # bookkeeping of finished outputs only
                 toks = tokens[row, :-1].tolist()
                 raw = float(scores[row])
                 norm = raw / float(length_penalty(len(toks) + 1, opts))
                 results[int(alive[row])] = [Hypothesis(toks, norm, raw)]
-            keep = (~done).nonzero().flatten()
-            if keep.numel() == 0:
+            n_live -= len(ended)
+            if not n_live:
                 break
-            alive, tokens, scores, nxt = alive[keep], tokens[keep], scores[keep], nxt[keep]
-            state = reorder_state(state, keep, sentences=keep)
+            live = live & ~done
+            if batch_rows(n_live) < alive.numel():  # drop dead rows, keep batch_rows in all
+                keep = kept_rows(live, n_live)
+                alive, tokens, scores, nxt = alive[keep], tokens[keep], scores[keep], nxt[keep]
+                live = live[keep]
+                state = reorder_state(state, keep, sentences=keep)
         prev = nxt
     return results
 
@@ -261,6 +269,28 @@ def _filter(logits: Tensor, opts: SearchOptions) -> Tensor:
         drop = cum - sorted_logits.softmax(-1) > opts.top_p  # keep the smallest set reaching p
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, NEG))
     return logits
+
+
+def batch_rows(live: int) -> int:
+    """How many sentences a batch with `live` sentences still being decoded keeps in its rows:
+    `live` up to 8, then a multiple of 4 up to 32, then of 8. Sentences that have ended stay
+    in the batch (computed, unread) until the live ones fit in fewer rows: on CPU oneDNN
+    makes and keeps kernels for every shape it sees (~0.7 MB each, 2.4 MB for an output
+    projection), and a batch that shrank by one sentence at every step made a shape per step
+    (`BeamStream`)."""
+    if live <= 8:
+        return live
+    step = 4 if live <= 32 else 8
+    return -(-live // step) * step
+
+
+def kept_rows(live: Tensor, n_live: int) -> Tensor:
+    """The rows a batch keeps when it shrinks: every live one (`live` [b] bool, `n_live` of
+    them) and the first dead ones, `batch_rows(n_live)` in all, in order."""
+    flags = live.tolist()
+    dead = [i for i, x in enumerate(flags) if not x][: batch_rows(n_live) - n_live]
+    rows = sorted([i for i, x in enumerate(flags) if x] + dead)
+    return torch.tensor(rows, device=live.device)
 
 
 class BeamStream:
@@ -282,7 +312,9 @@ class BeamStream:
     it); sentences added beside others start with K, all but the first dead (score -inf), so
     that every sentence has K rows (`nmt.models.base`); the model's `join` puts the two
     states together. Sentences may be at different steps: the time step, the length limit
-    and the token history (left-padded with PAD) are per sentence.
+    and the token history (left-padded with PAD) are per sentence. A sentence that ends stays
+    in the batch, dead (score -inf, unread), until the batch can shrink to `batch_rows` of the
+    live ones.
 
     Call its methods in one thread at a time, under the model's `fixed_weights` (the
     `decoding` scope); each runs in inference mode.
@@ -297,12 +329,13 @@ class BeamStream:
         self._reset()
 
     def _reset(self) -> None:
-        self.ids = []
+        self.ids = []  # None for a dead sentence
+        self.live = 0  # sentences being decoded
         self.width = 1  # hypotheses per sentence: 1 before a fresh batch's first step, K after
         self.state: State | None = None
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return self.live
 
     def add(self, src: Tensor, src_mask: Tensor, ids: list) -> None:
         """Start decoding sources src[B,S] (EOS-terminated, PAD-padded), known to the caller
@@ -331,7 +364,9 @@ class BeamStream:
             "pool_tok": torch.full((b, k, longest), PAD_ID, dtype=torch.long, device=device),
             "finished": torch.zeros(b, dtype=torch.long, device=device),  # patience counts
             "best_ended": torch.zeros(b, dtype=torch.bool, device=device),
+            "live": torch.ones(b, dtype=torch.bool, device=device),
         }
+        self.live += b
         if not self.ids:
             self.ids, self.width, self.state = ids, width, state
             self.book = new
@@ -429,13 +464,14 @@ class BeamStream:
             done = book["best_ended"] & (book["finished"] >= opts.nbest)
         else:
             done = book["finished"] >= self.quota
-        done = done | ~torch.isfinite(scores.max(1).values)
+        done = (done | ~torch.isfinite(scores.max(1).values)) & book["live"]
         if not done.any():
             return []
         return self._leave(done)
 
     def _leave(self, done: Tensor) -> list[tuple[object, list[Hypothesis]]]:
-        """Take the done sentences out of the batch; their n-best lists."""
+        """The n-best lists of the sentences that are done; they die, and the batch drops
+        its dead sentences when its live ones fit in fewer rows (`batch_rows`)."""
         book, k = self.book, self.k
         ended = done.nonzero().flatten()
         norms = book["pool_norm"][ended].tolist()
@@ -452,10 +488,16 @@ class BeamStream:
                 tokens = [x for x in seq[:end] if x != PAD_ID]  # histories are left-padded
                 hyps.append(Hypothesis(tokens, norms[j][h], raws[j][h]))
             results.append((self.ids[i], hyps))
-        keep = (~done).nonzero().flatten()
-        if keep.numel() == 0:
+            self.ids[i] = None
+        self.live -= len(results)
+        if not self.live:
             self._reset()
             return results
+        book["live"] = book["live"] & ~done
+        book["scores"] = book["scores"].masked_fill(done[:, None], NEG)  # no candidates
+        if batch_rows(self.live) >= len(self.ids):
+            return results
+        keep = kept_rows(book["live"], self.live)
         keep_rows = (keep[:, None] * k + torch.arange(k, device=keep.device)).flatten()
         for key, x in book.items():
             book[key] = x[keep_rows] if key in ("tokens", "prev") else x[keep]

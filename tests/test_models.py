@@ -12,6 +12,7 @@ import torch
 from nmt.models.base import (
     CACHE_LENGTHS,
     CACHE_PREFIX,
+    KEY_CHUNK,
     SOURCE_PREFIX,
     Vocab,
     count_parameters,
@@ -265,23 +266,29 @@ def test_join_decodes_each_sentence_as_it_would_alone(variant, mode):
 
 def test_joined_caches_are_ragged_until_their_lengths_meet():
     """A transformer's joined state says how many cache positions each hypothesis has filled
-    (`len`) while they differ; the cache is as long as the longest, zero past each row's."""
+    (`len`) while they differ; on CPU a cache holds whole chunks of KEY_CHUNK positions, zero
+    past each row's filled ones, and so do the source keys."""
     model = make("transformer-pre")
     src, mask, tgt = batch([4, 6], [5, 5])
     with torch.inference_mode():
         a = model.init_state(model.encode(src[:1], mask[:1]))
         for t in range(3):
             _, a = model.step(tgt[:1, t], a)
+        assert a["cache_k0"].shape[2] == KEY_CHUNK and not a["cache_k0"][:, :, 3:].any()
         b = model.init_state(model.encode(src[1:], mask[1:]))
+        assert b["src_k0"].shape[2] == KEY_CHUNK and b["src_keys_mask"].sum() == 6
         joined = model.join(a, b)
         assert joined[CACHE_LENGTHS].tolist() == [3, 0]
-        assert joined["cache_k0"].shape[2] == 3 and not joined["cache_k0"][1].any()
+        assert not joined["cache_k0"][1].any()  # b's row: nothing filled yet
         _, joined = model.step(tgt[:, 0], joined)
         assert joined[CACHE_LENGTHS].tolist() == [4, 1]
-        assert joined["cache_v1"].shape[2] == 4 and not joined["cache_v1"][1, :, 1:].any()
+        assert joined["cache_v1"][1, :, :1].any() and not joined["cache_v1"][1, :, 1:].any()
         one = reorder_state(joined, torch.tensor([1]), torch.tensor([1]))  # the longer leaves
-        _, one = model.step(tgt[1:, 1], one)
-        assert CACHE_LENGTHS not in one and one["cache_k0"].shape[2] == 2
+        for t in range(1, 1 + KEY_CHUNK):
+            _, one = model.step(tgt[1:, t % 5], one)
+        assert CACHE_LENGTHS not in one  # one row: filled as far as the cache says
+        assert one["cache_k0"].shape[2] == 2 * KEY_CHUNK  # 9 filled: a second chunk
+        assert one["cache_k0"][:, :, 8].any() and not one["cache_k0"][:, :, 9:].any()
 
 
 @pytest.mark.parametrize("mode", [torch.enable_grad, torch.inference_mode])
@@ -293,13 +300,16 @@ def test_extend_ragged_cache_writes_each_row_at_its_length(mode):
     rows, lengths = torch.tensor([1, 0, 2]), torch.tensor([2, 4, 1])
     new = torch.randn(3, 2, 1, 5, generator=g)
     with mode():
-        out = extend_ragged_cache(cache, rows, new, lengths, 5, 2)
-        shorter = extend_ragged_cache(cache, rows[[0, 2]], new[[0, 2]], lengths[[0, 2]], 3, 2)
-    expected = torch.cat([cache[rows], torch.zeros(3, 2, 1, 5)], 2)
+        out = extend_ragged_cache(cache, rows, new, lengths, 8, 2, 4)  # a chunk of 8
+        shorter = extend_ragged_cache(cache, rows[[0, 2]], new[[0, 2]], lengths[[0, 2]], 3, 2, 2)
+        aligned = extend_ragged_cache(cache, rows, new, None, 6, 2, 4)  # all have filled 4
+    expected = torch.cat([cache[rows], torch.zeros(3, 2, 4, 5)], 2)
     for i, at in enumerate(lengths.tolist()):
         expected[i, :, at] = new[i, :, 0]
     assert torch.equal(out, expected)
     assert torch.equal(shorter, expected[[0, 2], :, :3])  # past the longest row: dropped
+    assert torch.equal(aligned[:, :, :4], cache[rows]) and torch.equal(aligned[:, :, 4:5], new)
+    assert aligned.shape[2] == 6 and not aligned[:, :, 5:].any()
 
 
 def test_source_state_is_constant_over_steps(variant):

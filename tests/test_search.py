@@ -25,6 +25,7 @@ from nmt.search import (
     BeamStream,
     SearchOptions,
     SearchStopped,
+    batch_rows,
     beam_search,
     force_decode,
     greedy,
@@ -200,6 +201,43 @@ def test_sentences_joining_a_running_search_are_searched_as_alone(trained, opts)
         assert [h.tokens for h in hyps] == [h.tokens for h in alone]
         assert [h.score for h in hyps] == pytest.approx([h.score for h in alone], abs=1e-4)
         assert [h.logprob for h in hyps] == pytest.approx([h.logprob for h in alone], abs=1e-4)
+
+
+class RowCounts(torch.nn.Module):
+    """Records the hypothesis rows of every step."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model, self.rows = model, []
+
+    def encode(self, src, src_mask):
+        return self.model.encode(src, src_mask)
+
+    def init_state(self, memory):
+        return self.model.init_state(memory)
+
+    def step(self, prev, state):
+        self.rows.append(prev.size(0))
+        return self.model.step(prev, state)
+
+
+def test_a_batch_shrinks_by_steps_of_its_row_ladder(transformer):
+    """Sentences that end stay in the batch, unread, until the live ones fit in fewer rows
+    (`batch_rows`): a beam search of 40 sentences decodes on a few row counts (oneDNN makes
+    kernels per shape), not one more at every sentence that ends; results are unchanged."""
+    assert [batch_rows(n) for n in (1, 5, 8, 9, 12, 13, 32, 33, 41)] == [
+        1, 5, 8, 12, 12, 16, 32, 40, 48,
+    ]  # fmt: skip
+    sources = transformer.sources[:40]
+    opts = SearchOptions(beam=4)
+    counting = RowCounts(transformer.model)
+    got = search(counting, *make_batch(sources), opts)
+    sizes = sorted({rows // opts.beam for rows in counting.rows[1:]}, reverse=True)
+    assert sizes[0] == 40 and len(sizes) < 20
+    assert all(size == batch_rows(size) for size in sizes)
+    for source, hyps in zip(sources, got):
+        (alone,) = search(transformer.model, *make_batch([source]), opts)
+        assert [h.tokens for h in hyps] == [h.tokens for h in alone]
 
 
 def test_a_stream_of_one_batch_is_beam_search(transformer):
@@ -411,6 +449,18 @@ class StepRecorder:
         return self.inner(prev, state)
 
 
+def ladder(ends: list[int]) -> list[int]:
+    """Sentences decoded at each step when sentence i ends at its step ends[i] - 1: all of
+    them at first, then, as they end, the live ones and as many ended ones as it takes to
+    make `batch_rows` of them, when that is fewer than before."""
+    rows, sizes = len(ends), []
+    for t in range(max(ends)):
+        sizes.append(rows)
+        live = sum(e > t + 1 for e in ends)
+        rows = min(rows, batch_rows(live))
+    return sizes
+
+
 def test_finished_sentences_leave_the_batch_greedy(trained, monkeypatch):
     sources = varied(trained.sources, 10)
     recorder = StepRecorder(trained.model)
@@ -419,8 +469,9 @@ def test_finished_sentences_leave_the_batch_greedy(trained, monkeypatch):
     results = decode(Biased(trained.model, eos=-50.0), sources, beam=1)
     ends = [len(t) + 1 for t in tokens_of(results)]  # steps each sentence took (EOS included)
     assert len(set(ends)) > 1
-    # At step t exactly the sentences that have not emitted EOS yet are decoded.
-    assert recorder.sizes == [sum(e > t for e in ends) for t in range(max(ends))]
+    # At step t the sentences that have not emitted EOS yet are decoded, and ended ones only
+    # until the live ones fit in fewer rows.
+    assert recorder.sizes == ladder(ends)
     assert recorder.sizes[0] == len(sources) and recorder.sizes[-1] < len(sources)
 
 
@@ -439,10 +490,10 @@ def test_finished_sentences_leave_the_batch_beam(trained, monkeypatch, eos):
     assert all(s % k == 0 for s in sizes[1:])
     assert all(a >= b for a, b in zip(sizes[1:], sizes[2:]))
     assert len(sizes) <= int(max_lengths(mask, opts).max())
-    if eos < 0:  # every sentence lives until its own limit, then leaves
+    if eos < 0:  # every sentence lives until its own limit, then leaves (`ladder`)
         limits = max_lengths(mask, opts).tolist()
         width = [1] + [k] * (max(limits) - 1)
-        assert sizes == [width[t] * sum(lim > t for lim in limits) for t in range(max(limits))]
+        assert sizes == [w * rows for w, rows in zip(width, ladder(limits))]
     else:
         assert sizes[-1] < sizes[0]
 

@@ -105,6 +105,10 @@ SOURCE_PREFIX = "src_"
 CACHE_PREFIX = "cache_"
 CACHE_ROWS = "rows"
 CACHE_LENGTHS = "len"  # per hypothesis, in ragged states only: its filled cache positions
+# On CPU, attention keys come in whole chunks of this many positions (the transformer's
+# caches grow by a chunk at a time, `cache_size`; source keys are padded to a chunk): oneDNN
+# makes and keeps ~0.7 MB of kernels for every shape of an attention product it sees.
+KEY_CHUNK = 8
 
 
 def source_state(state: State) -> State:
@@ -148,14 +152,29 @@ def extend_cache(cache: Tensor, rows: Tensor, new: Tensor, dim: int) -> Tensor:
     return out
 
 
+def cache_size(filled: int, chunk: int) -> int:
+    """Positions of a cache that must hold `filled` + 1: rounded up to a multiple of `chunk`
+    (see `extend_ragged_cache`)."""
+    return -(-(filled + 1) // chunk) * chunk
+
+
 def extend_ragged_cache(
-    cache: Tensor, rows: Tensor, new: Tensor, lengths: Tensor, size: int, dim: int
+    cache: Tensor,
+    rows: Tensor,
+    new: Tensor,
+    lengths: Tensor | None,
+    size: int,
+    dim: int,
+    filled: int,
 ) -> Tensor:
     """A ragged cache's rows `rows`, each with its `new` entry (one position along `dim`)
-    written at its own length (`lengths` [N]): a cache of `size` positions along `dim`, zero
-    past each row's filled ones. Positions beyond `size` (of hypotheses longer than any left)
-    are dropped. `extend_cache` when every row is `size - 1` long."""
-    n, keep = rows.numel(), min(cache.size(dim), size)
+    written at its own length (`lengths` [N], at most `filled`; None: all `filled`): a cache
+    of `size` positions along `dim` (at least `filled` + 1), zero past each row's filled ones.
+    Only the first `filled` positions of `cache` are read. `extend_cache` when every row is
+    `filled` long and `size` is `filled` + 1; a larger `size` (`cache_size`) keeps one shape
+    for several steps."""
+    # whole rows (contiguous: a faster copy) unless the cache shrinks; past `filled`: zeros
+    n, keep = rows.numel(), cache.size(dim) if cache.size(dim) <= size else filled
     shape = (*new.shape[:dim], size, *new.shape[dim + 1 :])
     kept = cache.narrow(dim, 0, keep)
     if cache.device.type == "cpu" and not torch.is_grad_enabled():
@@ -165,6 +184,14 @@ def extend_ragged_cache(
     else:
         pad = new.new_zeros((*shape[:dim], size - keep, *shape[dim + 1 :]))
         out = torch.cat([kept.index_select(0, rows), pad], dim)
+    if lengths is None:  # every row writes at `filled`
+        if out.requires_grad or new.requires_grad:
+            return torch.cat(
+                [out.narrow(dim, 0, filled), new, out.narrow(dim, filled + 1, size - filled - 1)],
+                dim,
+            )
+        out.narrow(dim, filled, 1).copy_(new)
+        return out
     value = new.select(dim, 0)  # [N, ...]: the new entries without their position dimension
     at = (torch.arange(n, device=new.device), lengths)  # (row, position) of each new entry
     if out.requires_grad or value.requires_grad:  # autograd: out of place

@@ -8,7 +8,9 @@ N hypotheses grows by one position per step (`rows` says which cache row each hy
 continues, see `nmt.models.base`); the cross-attention keys/values `src_k{i}`/`src_v{i}`
 [B,H,S,Dh] are computed once per sentence in `init_state`, and the hypotheses of a sentence
 query them together. A joined state (`join`) may be ragged: its hypotheses have filled
-`len` [N] positions of the cache each, the rest zeros that self-attention masks.
+`len` [N] positions of the cache each, the rest zeros that self-attention masks. On CPU the
+caches and the source keys `src_keys_mask` [B,S'] come in whole chunks of KEY_CHUNK
+positions (zeros, masked) so that attention keeps a few shapes (`nmt.models.base`).
 """
 
 from __future__ import annotations
@@ -21,15 +23,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from nmt.models.base import (
     CACHE_LENGTHS,
     CACHE_ROWS,
+    KEY_CHUNK,
     State,
     StepOutput,
+    cache_size,
     extend_cache,
     extend_ragged_cache,
     hypotheses_per_sentence,
     join_states,
+    pad_end,
     source_state,
 )
 from nmt.models.layers import Dropout, Embedding, Linear, OutputProjection, Positions, softmax
+
+RAGGED_CPU = True
 
 
 def attend(
@@ -241,22 +248,23 @@ class DecoderLayer(nn.Module):
         k: Tensor,
         v: Tensor,
         mask: Tensor,
-        ragged: tuple[Tensor, int, Tensor] | None = None,
+        ragged: tuple[Tensor | None, int, Tensor, int] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """One position x[N,1,D] of N hypotheses, which continue the rows `rows` [N] of the
         cache [M,H,t,Dh], against their sentences' source k/v[B,H,S,Dh] -> y, cache_k' and
-        cache_v' [N,H,t+1,Dh], and the cross-attention weights [N,H,S]. In a ragged state,
-        `ragged` = (filled lengths [N], the new cache size t', self-attention mask
-        [N,1,1,t']): each new position is written at its hypothesis' length."""
+        cache_v' [N,H,t+1,Dh], and the cross-attention weights [N,H,S]. With `ragged` =
+        (filled positions [N] or None when all fill the same, the new cache size t',
+        self-attention mask [N or 1,1,1,t'], the most filled), each new position is written
+        at its hypothesis' length."""
         q, k_new, v_new = self.self_attn.project(self.res_self.inner(x))  # [N,H,1,Dh]
         if ragged is None:
             cache_k = extend_cache(cache_k, rows, k_new, 2)  # [N,H,t+1,Dh]
             cache_v = extend_cache(cache_v, rows, v_new, 2)
             y, _ = attend_step(q, cache_k, cache_v)  # all cached positions are past
         else:
-            lengths, size, self_mask = ragged
-            cache_k = extend_ragged_cache(cache_k, rows, k_new, lengths, size, 2)  # [N,H,t',Dh]
-            cache_v = extend_ragged_cache(cache_v, rows, v_new, lengths, size, 2)
+            lengths, size, self_mask, longest = ragged
+            cache_k = extend_ragged_cache(cache_k, rows, k_new, lengths, size, 2, longest)
+            cache_v = extend_ragged_cache(cache_v, rows, v_new, lengths, size, 2, longest)
             y, _ = attend_step(q, cache_k, cache_v, self_mask)  # the filled positions
         x = self.res_self.outer(x, self.self_attn.out(merge_heads(y)))
         y, weights = self.cross_attn.step(self.res_cross.inner(x), k, v, mask)
@@ -325,8 +333,13 @@ class Transformer(nn.Module):
             "pos": mem.new_zeros(b, dtype=torch.long),
             CACHE_ROWS: torch.arange(b, device=mem.device),
         }
+        # the source keys in whole chunks on CPU (masked), as the caches (KEY_CHUNK)
+        s = mem.size(1)
+        keys = -(-s // KEY_CHUNK) * KEY_CHUNK if mem.device.type == "cpu" else s
+        state["src_keys_mask"] = pad_end(memory["src_mask"], 1, keys)  # [B,S'] True: a token
         for i, layer in enumerate(self.decoder):
             k, v = layer.cross_attn.memory_kv(mem)  # once per sentence
+            k, v = pad_end(k.contiguous(), 2, keys), pad_end(v.contiguous(), 2, keys)
             state[f"src_k{i}"], state[f"src_v{i}"] = k.contiguous(), v.contiguous()
             state[f"cache_k{i}"] = k.new_zeros(b, self.heads, 0, dh)  # empty cache [B,H,0,Dh]
             state[f"cache_v{i}"] = k.new_zeros(b, self.heads, 0, dh)
@@ -337,7 +350,7 @@ class Transformer(nn.Module):
         hypotheses_per_sentence(n, state["src_mask"])  # N = B * w rows
         pos, rows = state["pos"], state[CACHE_ROWS]  # [N]
         x = self.dropout(self.tgt_embed(prev) + self.positions(pos))[:, None, :]  # [N,1,D]
-        mask = state["src_mask"][:, None, None, :]  # [B,1,1,S]
+        mask = state["src_keys_mask"][:, None, None, :]  # [B,1,1,S']
         new_state: State = {
             **source_state(state),
             "pos": pos + 1,
@@ -345,24 +358,35 @@ class Transformer(nn.Module):
         }
         ragged = None
         lengths = state.get(CACHE_LENGTHS)  # [N], in a ragged state
-        if lengths is not None:
+        if lengths is not None or (prev.device.type == "cpu" and RAGGED_CPU):
+            # Each hypothesis writes at its own position (its `pos`: what it has filled), in a
+            # cache of whole chunks on CPU: the attention products keep their shapes for
+            # KEY_CHUNK steps (oneDNN makes and keeps ~0.7 MB of kernels per shape).
+            lengths = pos if lengths is None else lengths
             shortest, longest = torch.stack(lengths.aminmax()).tolist()
-            size = longest + 1  # the cache after this step: as long as its longest row
-            filled = torch.arange(size, device=prev.device) <= lengths[:, None]  # [N,t']
-            ragged = (lengths, size, filled[:, None, None, :])  # mask [N,1,1,t']
-            if shortest < longest:  # else every row fills the whole cache now: not ragged
+            chunk = KEY_CHUNK if prev.device.type == "cpu" else 1
+            size = cache_size(longest, chunk)  # the cache after this step
+            positions = torch.arange(size, device=prev.device)
+            if shortest < longest:
+                past = (positions <= lengths[:, None])[:, None, None, :]  # [N,1,1,t']
                 new_state[CACHE_LENGTHS] = lengths + 1
+            else:  # every row fills the same positions: one write for all, one mask
+                lengths, past = None, (positions <= longest)[None, None, None, :]
+            ragged = (lengths, size, past, longest)
         for i, layer in enumerate(self.decoder):
             ck, cv = state[f"cache_k{i}"], state[f"cache_v{i}"]
             k, v = state[f"src_k{i}"], state[f"src_v{i}"]
             x, ck, cv, weights = layer.step(x, ck, cv, rows, k, v, mask, ragged)
             new_state.update({f"cache_k{i}": ck, f"cache_v{i}": cv})
         logits = self.output(self.dec_norm(x[:, 0]))  # [N,V]
-        attention = weights.mean(1)  # last layer, averaged over heads [N,S]
+        s = state["src_mask"].size(1)  # the source positions (without the keys' padding)
+        attention = weights[:, :, :s].mean(1)  # last layer, averaged over heads [N,S]
         return StepOutput(logits, attention), new_state
 
     def join(self, a: State, b: State) -> State:
-        lengths = {"src_mask": 1}
+        # a cache's size says nothing of what is filled (on CPU it grows by chunks): `pos` does
+        a, b = ({CACHE_LENGTHS: s["pos"], **s} for s in (a, b))
+        lengths = {"src_mask": 1, "src_keys_mask": 1}
         for i in range(len(self.decoder)):
             lengths.update({f"src_k{i}": 2, f"src_v{i}": 2, f"cache_k{i}": 2, f"cache_v{i}": 2})
         return join_states(a, b, lengths)
