@@ -250,7 +250,7 @@ def greedy(
                 break
             live = live & ~done
             if batch_rows(n_live) < alive.numel():  # drop dead rows, keep batch_rows in all
-                keep = kept_rows(live, n_live)
+                keep = kept_rows(live, n_live, batch_rows(n_live))
                 alive, tokens, scores, nxt = alive[keep], tokens[keep], scores[keep], nxt[keep]
                 live = live[keep]
                 state = reorder_state(state, keep, sentences=keep)
@@ -284,11 +284,11 @@ def batch_rows(live: int) -> int:
     return -(-live // step) * step
 
 
-def kept_rows(live: Tensor, n_live: int) -> Tensor:
-    """The rows a batch keeps when it shrinks: every live one (`live` [b] bool, `n_live` of
-    them) and the first dead ones, `batch_rows(n_live)` in all, in order."""
+def kept_rows(live: Tensor, n_live: int, rows: int) -> Tensor:
+    """The rows a batch keeps when it shrinks to `rows`: every live one (`live` [b] bool,
+    `n_live` of them) and as many of the first dead ones as it takes, in order."""
     flags = live.tolist()
-    dead = [i for i, x in enumerate(flags) if not x][: batch_rows(n_live) - n_live]
+    dead = [i for i, x in enumerate(flags) if not x][: rows - n_live]
     rows = sorted([i for i, x in enumerate(flags) if x] + dead)
     return torch.tensor(rows, device=live.device)
 
@@ -314,7 +314,7 @@ class BeamStream:
     states together. Sentences may be at different steps: the time step, the length limit
     and the token history (left-padded with PAD) are per sentence. A sentence that ends stays
     in the batch, dead (score -inf, unread), until the batch can shrink to `batch_rows` of the
-    live ones.
+    live ones; once sentences have joined the batch, it leaves at once.
 
     Call its methods in one thread at a time, under the model's `fixed_weights` (the
     `decoding` scope); each runs in inference mode.
@@ -331,6 +331,7 @@ class BeamStream:
     def _reset(self) -> None:
         self.ids = []  # None for a dead sentence
         self.live = 0  # sentences being decoded
+        self.joined = False  # sentences joined the batch after it started
         self.width = 1  # hypotheses per sentence: 1 before a fresh batch's first step, K after
         self.state: State | None = None
 
@@ -385,6 +386,7 @@ class BeamStream:
             joined[key] = torch.cat([x, y])
         self.book = joined
         self.state = self.model.join(self.state, state)
+        self.joined = True
         self.ids = self.ids + ids
 
     def _penalties(self, lengths: Tensor) -> Tensor:
@@ -428,6 +430,9 @@ class BeamStream:
         if fin.any():
             hist = torch.cat([book["tokens"][rows[:, :k].flatten()], tok[:, :k].reshape(-1, 1)], 1)
             pool_len = book["pool_tok"].size(2)
+            # histories end at their last column (left-padded) and are no longer than the pool
+            # holds: the last pool_len columns (the others are ended sentences' history)
+            hist = hist[:, -pool_len:]
             hist = torch.nn.functional.pad(
                 hist.view(n, k, -1), (0, pool_len - hist.size(1)), value=PAD_ID
             )
@@ -495,9 +500,12 @@ class BeamStream:
             return results
         book["live"] = book["live"] & ~done
         book["scores"] = book["scores"].masked_fill(done[:, None], NEG)  # no candidates
-        if batch_rows(self.live) >= len(self.ids):
+        # a batch decoded to its end shrinks by the ladder (few shapes); one that sentences
+        # join has shapes as varied as its arrivals: its ended sentences leave at once
+        rows = self.live if self.joined else batch_rows(self.live)
+        if rows >= len(self.ids):
             return results
-        keep = kept_rows(book["live"], self.live)
+        keep = kept_rows(book["live"], self.live, rows)
         keep_rows = (keep[:, None] * k + torch.arange(k, device=keep.device)).flatten()
         for key, x in book.items():
             book[key] = x[keep_rows] if key in ("tokens", "prev") else x[keep]

@@ -240,6 +240,26 @@ def test_a_batch_shrinks_by_steps_of_its_row_ladder(transformer):
         assert [h.tokens for h in hyps] == [h.tokens for h in alone]
 
 
+def test_a_long_stream_of_sentences_joining_one_at_a_time(transformer):
+    """A dozen sentences in the batch and one joining as each ends, for 60 sentences (more
+    steps than any sentence may take): every sentence is searched as alone, and the batch
+    never holds more rows than its sentences."""
+    sources, opts = transformer.sources[:60], SearchOptions(beam=3)
+    stream, results, todo, rows = BeamStream(transformer.model, opts), {}, list(range(60)), []
+    with fixed_weights(transformer.model):
+        while todo or stream:
+            take, todo = todo[: 12 - len(stream)], todo[12 - len(stream) :]
+            if take:
+                stream.add(*make_batch([sources[i] for i in take]), take)
+            rows.append(len(stream.ids))
+            results.update(stream.step())
+    assert len(rows) > 2 * max(max_lengths(make_batch(sources)[1], opts).tolist())
+    assert max(rows) < 16  # the first batch may keep an ended sentence; none stays after
+    for i, source in enumerate(sources):
+        (alone,) = search(transformer.model, *make_batch([source]), opts)
+        assert [h.tokens for h in results[i]] == [h.tokens for h in alone]
+
+
 def test_a_stream_of_one_batch_is_beam_search(transformer):
     """All sentences added at once, then stepped to the end: `beam_search` exactly."""
     sources = transformer.sources[:24]
