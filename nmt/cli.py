@@ -873,12 +873,13 @@ def serve(
     max_batch_tokens: int | None = typer.Option(
         None,
         "--max-batch-tokens",
-        help="Source tokens x beam per batch (default: decode.batch_tokens).",
+        help="Source tokens x beam in a running batch (default: decode.batch_tokens).",
     ),
     max_wait_ms: float = typer.Option(
         50.0,
         "--max-wait-ms",
-        help="How long a batch waits for more sentences (or a fifth of it with no new one).",
+        help="How long an idle decoding thread gathers sentences before it starts (or a fifth "
+        "of it with no new one); a busy one takes them into its running batch at its next step.",
     ),
     precision: str | None = typer.Option(None, "--precision", help=PRECISION_HELP),
     engine: str = typer.Option("nmt", "--engine", help=ENGINE_HELP),
@@ -891,7 +892,9 @@ def serve(
         None, "--patience", help="Default patience (requests may set theirs). " + PATIENCE_HELP
     ),
     workers: int = typer.Option(
-        0, "--workers", help="Batches decoded at once on CPU (0 = auto: 2 with 2+ threads)."
+        0,
+        "--workers",
+        help="Decoding threads, each with a running batch (0 = auto: 2 with 2+ threads).",
     ),
     max_lines: int = typer.Option(100, "--max-lines", help="Lines per request."),
     max_body_kb: int = typer.Option(1024, "--max-body-kb", help="Request body size limit."),

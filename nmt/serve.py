@@ -76,10 +76,11 @@ class ServeSettings:
     """How the server batches and what it accepts (`nmt serve` options)."""
 
     max_batch_tokens: int | None = None  # None: each model's decode.batch_tokens
-    # How long the first sentence of a batch waits for others (a batch also starts once
-    # nothing has arrived for a fifth of it). 32 clients, beam 5, the Multi30k transformer:
-    # 5 ms made batches of 9-10 sentences, 50 ms of 12-15 and 10-20% more sentences/s with a
-    # lower p99 (scripts/bench_serve.py, on a shared machine).
+    # How long an idle decoding thread lets the first waiting sentence wait for others (it
+    # starts once nothing has arrived for a fifth of it); a busy thread takes sentences into
+    # its running batch at its next step. Before in-flight batching, with 32 clients (beam 5,
+    # the Multi30k transformer) 5 ms made batches of 9-10 sentences, 50 ms of 12-15 and
+    # 10-20% more sentences/s with a lower p99 (scripts/bench_serve.py, a shared machine).
     max_wait_ms: float = 50.0
     workers: int = 0  # decoding threads; 0 = as `nmt translate` (2 on a CPU with 2+ threads)
     max_lines: int = 100  # lines per request
