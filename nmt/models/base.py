@@ -24,7 +24,9 @@ Entries named ``cache_*`` (a cache that grows by one position per step, such as 
 transformer's keys and values) are reordered by the model itself: ``reorder_state`` leaves
 them as they are and reorders the per-hypothesis ``rows`` entry, the row of the caches each
 hypothesis continues, with everything else; the next step selects those rows while it copies
-the cache to extend it (`extend_cache`), so a beam step copies each cache once, not twice.
+the cache to extend it (`extend_ragged_cache`, `extend_cache`), so a beam step copies each
+cache once, not twice. On CPU a cache grows by KEY_CHUNK positions at a time (`cache_size`),
+zeros past the filled ones, so that attention keeps one shape for several steps.
 
 ``join(a, b) -> State`` puts the sentences of two states in one (a's, then b's; the same
 number of hypotheses per sentence in both): sentences that start while others are half-way
@@ -138,18 +140,10 @@ def reorder_state(state: State, index: Tensor, sentences: Tensor | None = None) 
 
 def extend_cache(cache: Tensor, rows: Tensor, new: Tensor, dim: int) -> Tensor:
     """The cache's rows `rows` with `new` (one row per entry of `rows`) appended along `dim`:
-    ``torch.cat([cache.index_select(0, rows), new], dim)`` in one copy of the cache on CPU
-    (the selection is written straight into the result). A beam-5 step of the Multi30k
-    transformer copies 6 caches of [320,4,t,64]; at t=19 this takes 263 us each instead of
-    448 us (1 thread). Elsewhere (other devices, or with autograd, which out= arguments do not
-    support) it is that `torch.cat`."""
-    if cache.device.type != "cpu" or torch.is_grad_enabled():
-        return torch.cat([cache.index_select(0, rows), new], dim)
-    t = cache.size(dim)
-    out = new.new_empty(*new.shape[:dim], t + new.size(dim), *new.shape[dim + 1 :])
-    torch.index_select(cache, 0, rows, out=out.narrow(dim, 0, t))
-    out.narrow(dim, t, new.size(dim)).copy_(new)
-    return out
+    ``torch.cat([cache.index_select(0, rows), new], dim)``, where every row has filled the
+    whole cache (the transformer on a GPU; on CPU it writes into chunks,
+    `extend_ragged_cache`)."""
+    return torch.cat([cache.index_select(0, rows), new], dim)
 
 
 def cache_size(filled: int, chunk: int) -> int:

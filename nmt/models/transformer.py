@@ -36,8 +36,6 @@ from nmt.models.base import (
 )
 from nmt.models.layers import Dropout, Embedding, Linear, OutputProjection, Positions, softmax
 
-RAGGED_CPU = True
-
 
 def attend(
     q: Tensor,
@@ -340,7 +338,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.decoder):
             k, v = layer.cross_attn.memory_kv(mem)  # once per sentence
             k, v = pad_end(k.contiguous(), 2, keys), pad_end(v.contiguous(), 2, keys)
-            state[f"src_k{i}"], state[f"src_v{i}"] = k.contiguous(), v.contiguous()
+            state[f"src_k{i}"], state[f"src_v{i}"] = k, v
             state[f"cache_k{i}"] = k.new_zeros(b, self.heads, 0, dh)  # empty cache [B,H,0,Dh]
             state[f"cache_v{i}"] = k.new_zeros(b, self.heads, 0, dh)
         return state
@@ -358,7 +356,7 @@ class Transformer(nn.Module):
         }
         ragged = None
         lengths = state.get(CACHE_LENGTHS)  # [N], in a ragged state
-        if lengths is not None or (prev.device.type == "cpu" and RAGGED_CPU):
+        if lengths is not None or prev.device.type == "cpu":
             # Each hypothesis writes at its own position (its `pos`: what it has filled), in a
             # cache of whole chunks on CPU: the attention products keep their shapes for
             # KEY_CHUNK steps (oneDNN makes and keeps ~0.7 MB of kernels per shape).
