@@ -168,6 +168,8 @@ class NMTStream:
     they end. The caller holds the model's weights fixed (`NMTEngine.held`)."""
 
     def __init__(self, engine: NMTEngine, opts: SearchOptions) -> None:
+        if opts.sample:
+            raise ValueError("a stream searches (greedy or beam); it does not sample")
         self.engine = engine
         self.search = BeamStream(engine.model, opts)
 

@@ -2,7 +2,8 @@
 
 Everything is batched as tensor operations over sentences and beams. Finished sentences leave
 the active batch (their state rows are dropped with `reorder_state`), so work shrinks as
-sentences finish. The source side of the state stays one row per sentence; the K hypotheses of
+sentences finish; on CPU by a ladder of row counts (`batch_rows`), so that oneDNN sees few
+shapes. The source side of the state stays one row per sentence; the K hypotheses of
 a sentence are adjacent rows. The search knows nothing about architectures.
 """
 
@@ -232,7 +233,12 @@ def greedy(
         logp = _adjust(logp, tokens, t, limit[alive], opts)
         if opts.sample:  # temperature and top-k/top-p among the tokens the constraints allow
             allowed = _filter(logp / opts.temperature, opts)
-            nxt = torch.multinomial(allowed.softmax(-1), 1, generator=gen).squeeze(1)
+            if n_live < alive.numel():  # ended rows kept in the batch draw nothing
+                nxt = torch.full_like(prev, EOS_ID)
+                picked = torch.multinomial(allowed[live].softmax(-1), 1, generator=gen)
+                nxt[live] = picked.squeeze(1)
+            else:
+                nxt = torch.multinomial(allowed.softmax(-1), 1, generator=gen).squeeze(1)
         else:
             nxt = topk_candidates(logp, 1)[1].squeeze(1)  # [b] argmax
         scores = scores + logp.gather(1, nxt[:, None]).squeeze(1)
@@ -249,8 +255,9 @@ def greedy(
             if not n_live:
                 break
             live = live & ~done
-            if batch_rows(n_live) < alive.numel():  # drop dead rows, keep batch_rows in all
-                keep = kept_rows(live, n_live, batch_rows(n_live))
+            rows = batch_rows(n_live) if device.type == "cpu" else n_live
+            if rows < alive.numel():  # drop dead rows, keep `rows` in all
+                keep = kept_rows(live, n_live, rows)
                 alive, tokens, scores, nxt = alive[keep], tokens[keep], scores[keep], nxt[keep]
                 live = live[keep]
                 state = reorder_state(state, keep, sentences=keep)
@@ -272,12 +279,12 @@ def _filter(logits: Tensor, opts: SearchOptions) -> Tensor:
 
 
 def batch_rows(live: int) -> int:
-    """How many sentences a batch with `live` sentences still being decoded keeps in its rows:
-    `live` up to 8, then a multiple of 4 up to 32, then of 8. Sentences that have ended stay
-    in the batch (computed, unread) until the live ones fit in fewer rows: on CPU oneDNN
+    """How many sentences a batch on CPU with `live` sentences still being decoded keeps in
+    its rows: `live` up to 8, then a multiple of 4 up to 32, then of 8. Sentences that have
+    ended stay in the batch (computed, unread) until the live ones fit in fewer rows: oneDNN
     makes and keeps kernels for every shape it sees (~0.7 MB each, 2.4 MB for an output
     projection), and a batch that shrank by one sentence at every step made a shape per step
-    (`BeamStream`)."""
+    (`BeamStream`). Other devices drop ended sentences at once."""
     if live <= 8:
         return live
     step = 4 if live <= 32 else 8
@@ -312,9 +319,10 @@ class BeamStream:
     it); sentences added beside others start with K, all but the first dead (score -inf), so
     that every sentence has K rows (`nmt.models.base`); the model's `join` puts the two
     states together. Sentences may be at different steps: the time step, the length limit
-    and the token history (left-padded with PAD) are per sentence. A sentence that ends stays
-    in the batch, dead (score -inf, unread), until the batch can shrink to `batch_rows` of the
-    live ones; once sentences have joined the batch, it leaves at once.
+    and the token history (left-padded with PAD) are per sentence. On CPU a sentence that ends
+    stays in the batch, dead (score -inf, unread), until the batch can shrink to `batch_rows`
+    of the live ones; once sentences have joined the batch, it drops its dead ones when the
+    next sentence ends, and those ending after leave at once.
 
     Call its methods in one thread at a time, under the model's `fixed_weights` (the
     `decoding` scope); each runs in inference mode.
@@ -367,10 +375,9 @@ class BeamStream:
             "best_ended": torch.zeros(b, dtype=torch.bool, device=device),
             "live": torch.ones(b, dtype=torch.bool, device=device),
         }
-        self.live += b
         if not self.ids:
             self.ids, self.width, self.state = ids, width, state
-            self.book = new
+            self.book, self.live = new, b
             return
         old = self.book
         t_old, t_new = old["tokens"].size(1), 0
@@ -384,10 +391,8 @@ class BeamStream:
                 x = torch.nn.functional.pad(x, (0, pool - x.size(2)), value=PAD_ID)
                 y = torch.nn.functional.pad(y, (0, pool - y.size(2)), value=PAD_ID)
             joined[key] = torch.cat([x, y])
-        self.book = joined
-        self.state = self.model.join(self.state, state)
-        self.joined = True
-        self.ids = self.ids + ids
+        self.state = self.model.join(self.state, state)  # first: it may fail, nothing changed
+        self.book, self.joined, self.ids, self.live = joined, True, self.ids + ids, self.live + b
 
     def _penalties(self, lengths: Tensor) -> Tensor:
         """length_penalty of `lengths` [n], each the float32 rounding of the Python value
@@ -400,6 +405,8 @@ class BeamStream:
 
     def step(self) -> list[tuple[object, list[Hypothesis]]]:
         """Decode one position of every active sentence; (id, n-best) of those that ended."""
+        if not self.live:
+            return []
         with torch.inference_mode():
             return self._step()
 
@@ -500,9 +507,10 @@ class BeamStream:
             return results
         book["live"] = book["live"] & ~done
         book["scores"] = book["scores"].masked_fill(done[:, None], NEG)  # no candidates
-        # a batch decoded to its end shrinks by the ladder (few shapes); one that sentences
-        # join has shapes as varied as its arrivals: its ended sentences leave at once
-        rows = self.live if self.joined else batch_rows(self.live)
+        # a batch decoded to its end shrinks by the ladder on CPU (few shapes); one that
+        # sentences join has shapes as varied as its arrivals: its ended sentences leave now
+        cpu = done.device.type == "cpu"
+        rows = batch_rows(self.live) if cpu and not self.joined else self.live
         if rows >= len(self.ids):
             return results
         keep = kept_rows(book["live"], self.live, rows)

@@ -330,8 +330,6 @@ class Slot:
     """A decoding thread's running batch for one queue (model and search options): the
     engine's stream and what each sentence in it is (job, line index, cost)."""
 
-    model: ServedModel
-    opts: SearchOptions
     stream: Any  # nmt.engine.Stream
     members: dict[int, tuple[Job, int, int]] = field(default_factory=dict)
 
@@ -460,7 +458,12 @@ class Batcher:
             for key, batch in taken:
                 if key not in slots:
                     job = batch[0][0]
-                    slots[key] = Slot(job.model, job.opts, job.model.engine.stream(job.opts))
+                    try:
+                        stream = job.model.engine.stream(job.opts)
+                    except Exception as e:  # decoded alone, or failed, request by request
+                        self._recover(batch, e)
+                        continue
+                    slots[key] = Slot(stream)
                 self._add(slots[key], batch, ids)
             for key, slot in list(slots.items()):
                 if slot.members:
@@ -573,7 +576,7 @@ class Batcher:
         try:
             slot.stream.add([job.lines[i] for job, i, _ in batch], list(new))
         except Exception as e:  # these sentences never joined the running batch
-            self._recover(slot, list(new.values()), e)
+            self._recover(list(new.values()), e)
             return
         if slot.members:
             with self._cond:
@@ -583,11 +586,10 @@ class Batcher:
     def _step(self, slot: Slot) -> None:
         try:
             ended = slot.stream.step()
-        except Exception as e:  # the running batch is lost: decode its requests again
+        except Exception as e:  # the running batch is lost (the slot goes with its members)
             members = list(slot.members.values())
             slot.members.clear()
-            slot.stream = slot.model.engine.stream(slot.opts)
-            self._recover(slot, members, e)
+            self._recover(members, e)
             return
         with self._cond:
             self.stats.steps += 1
@@ -612,7 +614,7 @@ class Batcher:
         for job in finished:
             job.done(job.results, None)
 
-    def _recover(self, slot: Slot, members: list[tuple[Job, int, int]], error: Exception) -> None:
+    def _recover(self, members: list[tuple[Job, int, int]], error: Exception) -> None:
         """Decoding `members` failed with `error`. The sentences of one request: that request
         fails. Of several: each request's are decoded again alone (`ServedModel.translate`),
         so that the one that fails fails alone and the others are answered."""
@@ -621,33 +623,31 @@ class Batcher:
             groups.setdefault(id(member[0]), []).append(member)
         for group in groups.values():
             job = group[0][0]
-            if len(groups) == 1:
-                self._fail(job, error)
-                self._finish([(m, []) for m in group])  # counted out; failed: not recorded
+            if len(groups) == 1 or job.failed or job.cancelled:
+                if not job.cancelled:
+                    self._fail(job, error)
+                self._finish([(m, []) for m in group])  # counted out, not recorded
                 continue
             try:
-                if job.failed or job.cancelled:
-                    results: list[NBest] = [[] for _ in group]
-                else:
-                    results = job.model.translate([job.lines[i] for _, i, _ in group], job.opts)
+                results = job.model.translate([job.lines[i] for _, i, _ in group], job.opts)
             except Exception as e:
                 self._fail(job, e)
                 results = [[] for _ in group]
             self._finish(list(zip(group, results)))
 
     def _fail(self, job: Job, error: Exception) -> None:
-        if job.failed:  # its sentences in another batch failed already
-            return
+        with self._cond:
+            if job.failed:  # its sentences in another batch failed already
+                return
+            job.failed = True
+            self._drop(job)
+            self.stats.failed_requests += 1
         log.error(
             "decoding failed for a request of %d line(s) to model %s:\n%s",
             len(job.lines),
             job.model.name,
             "".join(traceback.format_exception(error)),
         )
-        with self._cond:
-            job.failed = True
-            self._drop(job)
-            self.stats.failed_requests += 1
         job.done(None, error)
 
 

@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
             _, after = get_json(f"http://{HOST}:{port}/stats")
             batches = after["batches"] - before["batches"]
             steps = after["steps"] - before["steps"]
-            in_steps = after["sentences_per_step"] * after["steps"] - (
+            in_steps = (after["sentences_per_step"] or 0) * after["steps"] - (
                 (before["sentences_per_step"] or 0) * before["steps"]
             )
             row.update(

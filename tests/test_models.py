@@ -291,6 +291,26 @@ def test_joined_caches_are_ragged_until_their_lengths_meet():
         assert one["cache_k0"][:, :, 8].any() and not one["cache_k0"][:, :, 9:].any()
 
 
+def test_a_join_leaves_no_padding_of_sentences_gone(variant):
+    """Joined states hold as many source positions as the longest source among the
+    sentences they hold: a long sentence that has left leaves no padding behind."""
+    model = make(variant)
+    src, mask, _ = batch([3, 20, 4], [2, 2, 2])
+    with torch.inference_mode():
+        states = [
+            model.init_state(model.encode(src[i : i + 1, :n], mask[i : i + 1, :n]))
+            for i, n in ((0, 3), (1, 20), (2, 4))
+        ]
+        joined = model.join(states[0], states[1])  # the long one joins...
+        short = reorder_state(joined, torch.tensor([0]), torch.tensor([0]))  # ...and leaves
+        again = model.join(short, states[2])
+        never = model.join(states[0], states[2])  # as if the long one had never come
+    for key, value in never.items():
+        if key.startswith(SOURCE_PREFIX):
+            assert again[key].shape == value.shape, key
+            torch.testing.assert_close(again[key], value)
+
+
 @pytest.mark.parametrize("mode", [torch.enable_grad, torch.inference_mode])
 def test_extend_ragged_cache_writes_each_row_at_its_length(mode):
     g = torch.Generator().manual_seed(0)

@@ -260,6 +260,64 @@ def test_a_long_stream_of_sentences_joining_one_at_a_time(transformer):
         assert [h.tokens for h in results[i]] == [h.tokens for h in alone]
 
 
+class FailsToJoin(torch.nn.Module):
+    """A model whose next `join` fails (memory running out as two states are put together)."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model, self.fail = model, False
+
+    def encode(self, src, src_mask):
+        return self.model.encode(src, src_mask)
+
+    def init_state(self, memory):
+        return self.model.init_state(memory)
+
+    def step(self, prev, state):
+        return self.model.step(prev, state)
+
+    def join(self, a, b):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("out of memory")
+        return self.model.join(a, b)
+
+
+def test_a_stream_whose_join_fails_goes_on_with_its_sentences(transformer):
+    """`add` fails when the states cannot be joined: the stream is left as it was, and its
+    sentences are searched to their end as alone; an empty stream's step decodes nothing."""
+    model, opts = FailsToJoin(transformer.model), SearchOptions(beam=3)
+    sources = transformer.sources[:6]
+    stream, results = BeamStream(model, opts), {}
+    assert stream.step() == []
+    with fixed_weights(transformer.model):
+        stream.add(*make_batch(sources[:4]), [0, 1, 2, 3])
+        results.update(stream.step())
+        model.fail = True
+        with pytest.raises(RuntimeError, match="out of memory"):
+            stream.add(*make_batch(sources[4:]), [4, 5])
+        assert len(stream) == 4 - len(results)
+        while stream:
+            results.update(stream.step())
+    assert sorted(results) == [0, 1, 2, 3]
+    for i in range(4):
+        (alone,) = search(transformer.model, *make_batch([sources[i]]), opts)
+        assert [h.tokens for h in results[i]] == [h.tokens for h in alone]
+
+
+def test_sampling_beside_ended_sentences_with_an_ngram_ban(trained):
+    """On CPU ended sentences stay in a batch (`batch_rows`) while the others are sampled;
+    they draw nothing, so an n-gram ban that leaves them no token past their length limit
+    breaks nothing."""
+    sources = varied(trained.sources, 16)
+    opts = SearchOptions(beam=1, sample=True, seed=3, no_repeat_ngram=1, max_len_a=1.0, max_len_b=1)
+    results = search(trained.model, *make_batch(sources), opts)
+    limits = max_lengths(make_batch(sources)[1], opts).tolist()
+    for hyps, limit in zip(results, limits):
+        (hyp,) = hyps
+        assert len(hyp.tokens) < limit and len(set(hyp.tokens)) == len(hyp.tokens)
+
+
 def test_a_stream_of_one_batch_is_beam_search(transformer):
     """All sentences added at once, then stepped to the end: `beam_search` exactly."""
     sources = transformer.sources[:24]

@@ -164,9 +164,9 @@ def extend_ragged_cache(
     """A ragged cache's rows `rows`, each with its `new` entry (one position along `dim`)
     written at its own length (`lengths` [N], at most `filled`; None: all `filled`): a cache
     of `size` positions along `dim` (at least `filled` + 1), zero past each row's filled ones.
-    Only the first `filled` positions of `cache` are read. `extend_cache` when every row is
-    `filled` long and `size` is `filled` + 1; a larger `size` (`cache_size`) keeps one shape
-    for several steps."""
+    `cache` must be zero past each row's filled positions too (it is copied whole when it is
+    no longer than `size`: a faster copy than of its first `filled` positions). A `size` above
+    `filled` + 1 (`cache_size`) keeps one shape for several steps."""
     # whole rows (contiguous: a faster copy) unless the cache shrinks; past `filled`: zeros
     n, keep = rows.numel(), cache.size(dim) if cache.size(dim) <= size else filled
     shape = (*new.shape[:dim], size, *new.shape[dim + 1 :])
@@ -202,23 +202,39 @@ def pad_end(x: Tensor, dim: int, size: int) -> Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim)
 
 
-def join_states(a: State, b: State, lengths: dict[str, int]) -> State:
+def join_states(
+    a: State, b: State, lengths: dict[str, int], chunked: tuple[str, ...] = ()
+) -> State:
     """The state of a's sentences followed by b's (the same hypotheses per sentence in
     both; see the module docstring): every entry of the two concatenated along dimension 0,
     those named in `lengths` first padded to the longer of the two along the dimension it
-    gives (the source positions of ``src_*`` entries, the positions of ``cache_*`` ones). b's
-    ``rows`` point past a's cache rows. When the caches' filled lengths differ, the result
-    has the per-hypothesis ``len`` entry (a ragged state)."""
+    gives (the source positions of ``src_*`` entries, the positions of ``cache_*`` ones). The
+    ``src_*`` ones hold as many positions as the longest source of the two (``src_mask``):
+    sentences that have left a batch leave no padding behind them; those in `chunked` (keys
+    attention reads) a whole number of KEY_CHUNK positions on CPU. b's ``rows`` point past
+    a's cache rows. When the caches' filled lengths differ, the result has the per-hypothesis
+    ``len`` entry (a ragged state)."""
     if set(a) - {CACHE_LENGTHS} != set(b) - {CACHE_LENGTHS}:
         raise ValueError(f"cannot join states with entries {sorted(a)} and {sorted(b)}")
+    longest = None  # source positions of the longest source in a or b
+    if "src_mask" in a:
+        longest = int(max(a["src_mask"].sum(1).max(), b["src_mask"].sum(1).max()))
     out: State = {}
     for key, x in a.items():
         if key == CACHE_LENGTHS:
             continue
         y = b[key]
         if key in lengths:
-            size = max(x.size(lengths[key]), y.size(lengths[key]))
-            x, y = pad_end(x, lengths[key], size), pad_end(y, lengths[key], size)
+            dim = lengths[key]
+            size = max(x.size(dim), y.size(dim))
+            if longest is not None and key.startswith(SOURCE_PREFIX):
+                chunk = KEY_CHUNK if key in chunked and x.device.type == "cpu" else 1
+                size = -(-longest // chunk) * chunk
+                x, y = (
+                    x.narrow(dim, 0, min(size, x.size(dim))),
+                    y.narrow(dim, 0, min(size, y.size(dim))),
+                )
+            x, y = pad_end(x, dim, size), pad_end(y, dim, size)
         elif key == CACHE_ROWS:
             cache = next(k for k in a if k.startswith(CACHE_PREFIX))
             y = y + a[cache].size(0)

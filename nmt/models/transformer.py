@@ -384,10 +384,11 @@ class Transformer(nn.Module):
     def join(self, a: State, b: State) -> State:
         # a cache's size says nothing of what is filled (on CPU it grows by chunks): `pos` does
         a, b = ({CACHE_LENGTHS: s["pos"], **s} for s in (a, b))
-        lengths = {"src_mask": 1, "src_keys_mask": 1}
+        lengths, keys = {"src_mask": 1, "src_keys_mask": 1}, ["src_keys_mask"]
         for i in range(len(self.decoder)):
             lengths.update({f"src_k{i}": 2, f"src_v{i}": 2, f"cache_k{i}": 2, f"cache_v{i}": 2})
-        return join_states(a, b, lengths)
+            keys += [f"src_k{i}", f"src_v{i}"]
+        return join_states(a, b, lengths, chunked=tuple(keys))
 
     def forward(
         self, src: Tensor, src_mask: Tensor, tgt_in: Tensor, src_lengths: Tensor | None = None
