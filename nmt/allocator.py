@@ -92,3 +92,20 @@ def relaunch(command: bool = False) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def release_free_memory() -> bool:
+    """Hand the allocator's free pages back to the kernel: TCMalloc's page heap
+    (`MallocExtension_ReleaseFreeMemory`), else glibc's arenas (`malloc_trim`). Used around
+    work that allocates in sizes the training step does not, such as validation: what it frees
+    would otherwise stay resident beside the step's own free blocks. The pages fault in again
+    when they are next used. Returns whether an allocator took the call."""
+    if not sys.platform.startswith("linux"):
+        return False
+    process = ctypes.CDLL(None)
+    for symbol, args in (("MallocExtension_ReleaseFreeMemory", ()), ("malloc_trim", (0,))):
+        release = getattr(process, symbol, None)
+        if release is not None:
+            release(*args)
+            return True
+    return False

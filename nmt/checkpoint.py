@@ -40,14 +40,17 @@ def save(payload: dict[str, Any], path: Path) -> None:
         os.close(dir_fd)
 
 
-def load(path: Path) -> dict[str, Any]:
+def load(path: Path, mmap: bool = False) -> dict[str, Any]:
     """Load with `weights_only=True`; refuse files that need arbitrary code, truncated files
-    and files that are not nmt checkpoints, with one clear message."""
+    and files that are not nmt checkpoints, with one clear message. With `mmap` the tensors
+    stay in the file's pages (read when touched, copied on write) instead of all being read
+    into memory: for reading a part, such as the model of a checkpoint that also holds its
+    optimizer's state."""
     path = Path(path)
     if not path.is_file():
         raise NMTError(f"checkpoint not found: {path}")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         # A pickled class or function, not just tensors. torch words this differently for an
         # unknown class ("Unsupported global: GLOBAL x.Y") and a blocked module ("unsupported
@@ -72,12 +75,12 @@ def average(paths: list[Path]) -> dict[str, Any]:
     """Average the model parameters of several checkpoints of the same run."""
     if not paths:
         raise NMTError("nothing to average: no checkpoints given")
-    payloads = [load(p) for p in paths]
+    payloads = [load(p, mmap=True) for p in paths]  # only their models are read
     first = payloads[0]
     avg = {}
     for key, value in first["model"].items():
         if not value.is_floating_point():
-            avg[key] = value
+            avg[key] = value.clone()  # in memory, not in the file's pages
             continue
         for p, other in zip(paths, payloads):
             if key not in other["model"] or other["model"][key].shape != value.shape:

@@ -580,8 +580,15 @@ def validate_and_book(
     s: Session, trainee: Trainee, progress: TrainProgress, rngs: list[dict], **extra: Any
 ) -> dict[str, Any]:
     """Rank 0: validate the model's current weights, log the record, keep it in the history,
-    save best.pt when it is the best so far. Returns the record."""
+    save best.pt when it is the best so far. Returns the record.
+
+    The allocator's free pages go back to the kernel before and after: the step's free blocks
+    would not serve validation's sizes, nor validation's the step's, and each would stay
+    resident beside the other (4.5-minute runs of the transformer recipe: 1.90-1.92 GB between
+    validations instead of 1.94-1.97)."""
+    allocator.release_free_memory()
     record = validate(trainee.model, s.prepared, s.valid, s.cfg, s.device, trainee.precision)
+    allocator.release_free_memory()
     record.update({"kind": "valid", "step": progress.step, "epoch": progress.epoch})
     record.update({"minutes": progress.seconds / 60, "tokens": progress.tokens, **extra})
     book_validation(record, progress, s.cfg.train)

@@ -112,3 +112,46 @@ def test_benchmark_scripts_run_on_what_nmt_runs_on():
         )
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip().startswith(expected)
+
+
+RELEASE = """
+import sys, torch
+from nmt import allocator
+{setup}
+def rss():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) // 1024
+blocks = [torch.ones(1 << 20) for _ in range(300)]  # 300 tensors of 4 MB, each touched
+del blocks
+kept = rss()
+took = allocator.release_free_memory()
+print(took, kept, rss())
+"""
+
+
+def released(env: dict[str, str], setup: str = "") -> tuple[bool, int, int]:
+    base = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    done = subprocess.run(
+        [sys.executable, "-c", RELEASE.format(setup=setup)],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    took, kept, after = done.stdout.split()
+    return took == "True", int(kept), int(after)
+
+
+@needs_tcmalloc
+def test_tcmallocs_free_pages_go_back_to_the_kernel():
+    took, kept, after = released({"LD_PRELOAD": TCMALLOC})
+    assert took
+    assert kept - after > 900, (kept, after)  # most of the 1.2 GB freed
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim: Linux")
+def test_glibcs_kept_free_memory_goes_back_to_the_kernel():
+    # tuned as nmt commands tune it: no mmap per large block, no trimming when blocks are freed
+    took, kept, after = released({}, "from nmt.device import configure_host; configure_host()")
+    assert took
+    assert kept - after > 900, (kept, after)
