@@ -584,8 +584,8 @@ def validate_and_book(
 
     The allocator's free pages go back to the kernel before and after: the step's free blocks
     would not serve validation's sizes, nor validation's the step's, and each would stay
-    resident beside the other (4.5-minute runs of the transformer recipe: 1.90-1.92 GB between
-    validations instead of 1.94-1.97)."""
+    resident beside the other (4.5-minute runs of the transformer recipe: 1.89-1.92 GB between
+    validations instead of 1.94-1.98)."""
     allocator.release_free_memory()
     record = validate(trainee.model, s.prepared, s.valid, s.cfg, s.device, trainee.precision)
     allocator.release_free_memory()
