@@ -689,6 +689,9 @@ def test_interrupted_translation_exits_128_plus_signal_and_writes_nothing(
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        # as from a terminal: a test run started in the background (`cmd &` in a script)
+        # ignores SIGINT, and its children would inherit that and never see Ctrl-C
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     tmp = out.with_name(f".{out.name}.tmp")
     deadline = time.monotonic() + 120
