@@ -99,13 +99,17 @@ def release_free_memory() -> bool:
     (`MallocExtension_ReleaseFreeMemory`), else glibc's arenas (`malloc_trim`). Used around
     work that allocates in sizes the training step does not, such as validation: what it frees
     would otherwise stay resident beside the step's own free blocks. The pages fault in again
-    when they are next used. Returns whether an allocator took the call."""
+    when they are next used. Returns whether an allocator took the call (not with another
+    allocator, such as jemalloc, whose heap neither call reaches)."""
     if not sys.platform.startswith("linux"):
         return False
     process = ctypes.CDLL(None)
-    for symbol, args in (("MallocExtension_ReleaseFreeMemory", ()), ("malloc_trim", (0,))):
-        release = getattr(process, symbol, None)
-        if release is not None:
-            release(*args)
-            return True
+    release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
+    if release is not None:
+        release()
+        return True
+    trim = getattr(process, "malloc_trim", None)
+    if trim is not None and in_use() == "glibc":  # not another preloaded allocator's heap
+        trim(0)
+        return True
     return False

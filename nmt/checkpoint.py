@@ -7,6 +7,7 @@ history, so `nmt translate RUN_DIR` needs nothing else.
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 from pathlib import Path
@@ -92,4 +93,5 @@ def average(paths: list[Path]) -> dict[str, Any]:
     # average works wherever it is written) of the last checkpoint given.
     newest = payloads[-1]
     keep = {k: v for k, v in newest.items() if k not in ("model", "optimizer", "format", "scaler")}
+    keep = copy.deepcopy(keep)  # its tensors (random states) in memory, not in the file's pages
     return {**keep, "model": avg, "averaged_from": [str(p) for p in paths]}

@@ -757,7 +757,9 @@ def average(
     with runs.writer():  # no training may write the run meanwhile
         averaged = checkpoint.average(paths)
         averaged["run_dir"] = averaged.get("run_dir") or str(RunDir.of_checkpoint(paths[-1]).path)
-        averaged["averaged"] = sorted(checkpoint.load(p)["progress"]["step"] for p in paths)
+        averaged["averaged"] = sorted(
+            checkpoint.load(p, mmap=True)["progress"]["step"] for p in paths
+        )
         checkpoint.save(averaged, target)
         err.print(f"averaged {len(paths)} checkpoints into {target}")
         if not promote or not runs.checkpoint("last").is_file():

@@ -155,3 +155,11 @@ def test_glibcs_kept_free_memory_goes_back_to_the_kernel():
     took, kept, after = released({}, "from nmt.device import configure_host; configure_host()")
     assert took
     assert kept - after > 900, (kept, after)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux allocators")
+def test_no_release_is_claimed_for_an_allocator_neither_call_reaches(monkeypatch):
+    if allocator.in_use() != "glibc":
+        pytest.skip("the test runner itself runs on another allocator")
+    monkeypatch.setattr(allocator, "in_use", lambda: "libjemalloc.so.2")
+    assert allocator.release_free_memory() is False
