@@ -25,6 +25,7 @@ from nmt.models.base import (
     TranslationModel,
     fixed_weights,
     reorder_state,
+    round_up,
     step_log_probs,
 )
 from nmt.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID
@@ -288,7 +289,7 @@ def batch_rows(live: int) -> int:
     if live <= 8:
         return live
     step = 4 if live <= 32 else 8
-    return -(-live // step) * step
+    return round_up(live, step)
 
 
 def kept_rows(live: Tensor, n_live: int, rows: int) -> Tensor:

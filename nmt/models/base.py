@@ -146,10 +146,20 @@ def extend_cache(cache: Tensor, rows: Tensor, new: Tensor, dim: int) -> Tensor:
     return torch.cat([cache.index_select(0, rows), new], dim)
 
 
+def round_up(n: int, multiple: int) -> int:
+    """`n` rounded up to a multiple of `multiple`."""
+    return -(-n // multiple) * multiple
+
+
+def key_chunk(device: torch.device) -> int:
+    """The positions attention keys come in on `device`: KEY_CHUNK on CPU, 1 elsewhere."""
+    return KEY_CHUNK if device.type == "cpu" else 1
+
+
 def cache_size(filled: int, chunk: int) -> int:
     """Positions of a cache that must hold `filled` + 1: rounded up to a multiple of `chunk`
     (see `extend_ragged_cache`)."""
-    return -(-(filled + 1) // chunk) * chunk
+    return round_up(filled + 1, chunk)
 
 
 def extend_ragged_cache(
@@ -228,8 +238,7 @@ def join_states(
             dim = lengths[key]
             size = max(x.size(dim), y.size(dim))
             if longest is not None and key.startswith(SOURCE_PREFIX):
-                chunk = KEY_CHUNK if key in chunked and x.device.type == "cpu" else 1
-                size = -(-longest // chunk) * chunk
+                size = round_up(longest, key_chunk(x.device) if key in chunked else 1)
                 x, y = (
                     x.narrow(dim, 0, min(size, x.size(dim))),
                     y.narrow(dim, 0, min(size, y.size(dim))),

@@ -23,7 +23,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from nmt.models.base import (
     CACHE_LENGTHS,
     CACHE_ROWS,
-    KEY_CHUNK,
     State,
     StepOutput,
     cache_size,
@@ -31,7 +30,9 @@ from nmt.models.base import (
     extend_ragged_cache,
     hypotheses_per_sentence,
     join_states,
+    key_chunk,
     pad_end,
+    round_up,
     source_state,
 )
 from nmt.models.layers import Dropout, Embedding, Linear, OutputProjection, Positions, softmax
@@ -333,7 +334,7 @@ class Transformer(nn.Module):
         }
         # the source keys in whole chunks on CPU (masked), as the caches (KEY_CHUNK)
         s = mem.size(1)
-        keys = -(-s // KEY_CHUNK) * KEY_CHUNK if mem.device.type == "cpu" else s
+        keys = round_up(s, key_chunk(mem.device))
         state["src_keys_mask"] = pad_end(memory["src_mask"], 1, keys)  # [B,S'] True: a token
         for i, layer in enumerate(self.decoder):
             k, v = layer.cross_attn.memory_kv(mem)  # once per sentence
@@ -362,8 +363,7 @@ class Transformer(nn.Module):
             # KEY_CHUNK steps (oneDNN makes and keeps ~0.7 MB of kernels per shape).
             lengths = pos if lengths is None else lengths
             shortest, longest = torch.stack(lengths.aminmax()).tolist()
-            chunk = KEY_CHUNK if prev.device.type == "cpu" else 1
-            size = cache_size(longest, chunk)  # the cache after this step
+            size = cache_size(longest, key_chunk(prev.device))  # the cache after this step
             positions = torch.arange(size, device=prev.device)
             if shortest < longest:
                 past = (positions <= lengths[:, None])[:, None, None, :]  # [N,1,1,t']
