@@ -16,8 +16,8 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 
 from nmt import NMTError
@@ -33,18 +33,26 @@ from nmt.data.sources import (
 )
 from nmt.data.tokenizer import Encoder, Tokenizer, train_tokenizer
 
+if TYPE_CHECKING:  # imported where data is prepared: reusing prepared data never needs it
+    import datasets
+
 log = logging.getLogger(__name__)
 
-ENCODED = datasets.Features(
-    {
-        "src": datasets.Value("string"),
-        "tgt": datasets.Value("string"),
-        "src_ids": datasets.Sequence(datasets.Value("int32")),
-        "tgt_ids": datasets.Sequence(datasets.Value("int32")),
-        "src_len": datasets.Value("int32"),
-        "tgt_len": datasets.Value("int32"),
-    }
-)
+
+def encoded_features() -> datasets.Features:
+    """The columns of a prepared split: the text, its token ids and their counts."""
+    import datasets
+
+    return datasets.Features(
+        {
+            "src": datasets.Value("string"),
+            "tgt": datasets.Value("string"),
+            "src_ids": datasets.Sequence(datasets.Value("int32")),
+            "tgt_ids": datasets.Sequence(datasets.Value("int32")),
+            "src_len": datasets.Value("int32"),
+            "tgt_len": datasets.Value("int32"),
+        }
+    )
 
 
 def split_names(cfg: DataConfig) -> dict[str, str]:
@@ -211,7 +219,9 @@ def _prepare_into(cfg: Config, work: Path) -> dict:
     encoder = Encoder(str(tok.src_model), str(tok.tgt_model))
     encoded: dict[str, datasets.Dataset] = {}
     for name, ds in {**raw, "train": train}.items():
-        encoded[name] = ds.map(encoder, batched=True, num_proc=num_proc, features=ENCODED)
+        encoded[name] = ds.map(
+            encoder, batched=True, num_proc=num_proc, features=encoded_features()
+        )
     t_enc = time.perf_counter() - t_enc
 
     # Length filters on subword tokens, training split only.
@@ -233,7 +243,7 @@ def _prepare_into(cfg: Config, work: Path) -> dict:
     splits = {}
     for name, ds in encoded.items():
         ds.save_to_disk(str(work / "splits" / name))
-        split = EncodedSplit(ds)
+        split = EncodedSplit.from_dataset(ds)
         splits[name] = {
             "source": names[name],
             "pairs": len(ds),

@@ -23,15 +23,22 @@ import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import datasets
+from typing import TYPE_CHECKING
 
 from nmt import NMTError
 from nmt.config import DataConfig
 
+if TYPE_CHECKING:  # imported where a corpus is read: a prepared run never needs it
+    import datasets
+
 log = logging.getLogger(__name__)
 
-FEATURES = datasets.Features({"src": datasets.Value("string"), "tgt": datasets.Value("string")})
+
+def features() -> datasets.Features:
+    """The columns of a raw corpus: src and tgt text."""
+    import datasets
+
+    return datasets.Features({"src": datasets.Value("string"), "tgt": datasets.Value("string")})
 
 
 @dataclass(frozen=True)
@@ -205,13 +212,15 @@ def _user_error(e: Exception) -> Exception:
 
 
 def _from_generator(generator, kwargs: dict, cache_dir: Path) -> datasets.Dataset:
+    import datasets
+
     with contextlib.closing(generator(**kwargs)) as pairs:
         empty = next(pairs, None) is None
     if empty:  # datasets refuses to build a dataset from no rows; the caller says what is wrong
-        return datasets.Dataset.from_dict({"src": [], "tgt": []}, features=FEATURES)
+        return datasets.Dataset.from_dict({"src": [], "tgt": []}, features=features())
     try:
         return datasets.Dataset.from_generator(
-            generator, gen_kwargs=kwargs, features=FEATURES, cache_dir=str(cache_dir)
+            generator, gen_kwargs=kwargs, features=features(), cache_dir=str(cache_dir)
         )
     except Exception as e:  # datasets wraps errors raised inside the generator
         raise _user_error(e) from None
@@ -397,6 +406,8 @@ def load_split(cfg: DataConfig, split: str, work_dir: Path) -> datasets.Dataset:
 def _load_hub(
     cfg: DataConfig, split: str, src_field: str, tgt_field: str, cache: Path
 ) -> datasets.Dataset:
+    import datasets
+
     name = cfg.hub_name or ""
     try:
         if (Path(name) / "dataset_dict.json").is_file():  # saved with DatasetDict.save_to_disk
@@ -428,7 +439,7 @@ def _load_hub(
             pick,
             batched=True,
             remove_columns=ds.column_names,
-            features=FEATURES,
+            features=features(),
             cache_file_name=str(cache / f"hub-{split}.arrow"),
         )
     except Exception as e:  # datasets wraps errors raised inside the map function
