@@ -264,30 +264,35 @@ def test_join_decodes_each_sentence_as_it_would_alone(variant, mode):
         assert CACHE_LENGTHS not in left
 
 
-def test_joined_caches_are_ragged_until_their_lengths_meet():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_joined_caches_are_ragged_until_their_lengths_meet(dtype):
     """A transformer's joined state says how many cache positions each hypothesis has filled
-    (`len`) while they differ; on CPU a cache holds whole chunks of KEY_CHUNK positions, zero
-    past each row's filled ones, and so do the source keys."""
+    (`len`) while they differ. On CPU in bf16 (oneDNN's attention products, a kernel per shape)
+    a cache holds whole chunks of KEY_CHUNK positions, zero past each row's filled ones, and so
+    do the source keys; in fp32 (MKL's, no kernels kept) they hold what is filled."""
     model = make("transformer-pre")
     src, mask, tgt = batch([4, 6], [5, 5])
-    with torch.inference_mode():
+    chunk = KEY_CHUNK if dtype == torch.bfloat16 else 1
+    with torch.inference_mode(), torch.autocast("cpu", dtype, enabled=dtype != torch.float32):
         a = model.init_state(model.encode(src[:1], mask[:1]))
         for t in range(3):
             _, a = model.step(tgt[:1, t], a)
-        assert a["cache_k0"].shape[2] == KEY_CHUNK and not a["cache_k0"][:, :, 3:].any()
+        assert a["cache_k0"].dtype == dtype
+        assert a["cache_k0"].shape[2] == max(3, chunk) and not a["cache_k0"][:, :, 3:].any()
         b = model.init_state(model.encode(src[1:], mask[1:]))
-        assert b["src_k0"].shape[2] == KEY_CHUNK and b["src_keys_mask"].sum() == 6
+        assert b["src_k0"].shape[2] == max(6, chunk) and b["src_keys_mask"].sum() == 6
         joined = model.join(a, b)
         assert joined[CACHE_LENGTHS].tolist() == [3, 0]
         assert not joined["cache_k0"][1].any()  # b's row: nothing filled yet
         _, joined = model.step(tgt[:, 0], joined)
         assert joined[CACHE_LENGTHS].tolist() == [4, 1]
+        assert joined["cache_k0"].shape[2] == max(4, chunk)
         assert joined["cache_v1"][1, :, :1].any() and not joined["cache_v1"][1, :, 1:].any()
         one = reorder_state(joined, torch.tensor([1]), torch.tensor([1]))  # the longer leaves
         for t in range(1, 1 + KEY_CHUNK):
             _, one = model.step(tgt[1:, t % 5], one)
         assert CACHE_LENGTHS not in one  # one row: filled as far as the cache says
-        assert one["cache_k0"].shape[2] == 2 * KEY_CHUNK  # 9 filled: a second chunk
+        assert one["cache_k0"].shape[2] == (2 * KEY_CHUNK if chunk > 1 else 9)  # 9 filled
         assert one["cache_k0"][:, :, 8].any() and not one["cache_k0"][:, :, 9:].any()
 
 

@@ -8,9 +8,9 @@ N hypotheses grows by one position per step (`rows` says which cache row each hy
 continues, see `nmt.models.base`); the cross-attention keys/values `src_k{i}`/`src_v{i}`
 [B,H,S,Dh] are computed once per sentence in `init_state`, and the hypotheses of a sentence
 query them together. A joined state (`join`) may be ragged: its hypotheses have filled
-`len` [N] positions of the cache each, the rest zeros that self-attention masks. On CPU the
-caches and the source keys `src_keys_mask` [B,S'] come in whole chunks of KEY_CHUNK
-positions (zeros, masked) so that attention keeps a few shapes (`nmt.models.base`).
+`len` [N] positions of the cache each, the rest zeros that self-attention masks. On CPU in
+bf16 the caches and the source keys `src_keys_mask` [B,S'] come in whole chunks of KEY_CHUNK
+positions (zeros, masked) so that attention keeps a few shapes (`nmt.models.base.key_chunk`).
 """
 
 from __future__ import annotations
@@ -332,12 +332,11 @@ class Transformer(nn.Module):
             "pos": mem.new_zeros(b, dtype=torch.long),
             CACHE_ROWS: torch.arange(b, device=mem.device),
         }
-        # the source keys in whole chunks on CPU (masked), as the caches (KEY_CHUNK)
-        s = mem.size(1)
-        keys = round_up(s, key_chunk(mem.device))
+        kv = [layer.cross_attn.memory_kv(mem) for layer in self.decoder]  # once per sentence
+        # the source keys in whole chunks where the caches grow by chunks (masked, `key_chunk`)
+        keys = round_up(mem.size(1), key_chunk(kv[0][0]))
         state["src_keys_mask"] = pad_end(memory["src_mask"], 1, keys)  # [B,S'] True: a token
-        for i, layer in enumerate(self.decoder):
-            k, v = layer.cross_attn.memory_kv(mem)  # once per sentence
+        for i, (k, v) in enumerate(kv):
             k, v = pad_end(k.contiguous(), 2, keys), pad_end(v.contiguous(), 2, keys)
             state[f"src_k{i}"], state[f"src_v{i}"] = k, v
             state[f"cache_k{i}"] = k.new_zeros(b, self.heads, 0, dh)  # empty cache [B,H,0,Dh]
@@ -357,13 +356,14 @@ class Transformer(nn.Module):
         }
         ragged = None
         lengths = state.get(CACHE_LENGTHS)  # [N], in a ragged state
-        if lengths is not None or prev.device.type == "cpu":
+        chunk = key_chunk(state["cache_k0"])
+        if lengths is not None or chunk > 1:
             # Each hypothesis writes at its own position (its `pos`: what it has filled), in a
-            # cache of whole chunks on CPU: the attention products keep their shapes for
-            # KEY_CHUNK steps (oneDNN makes and keeps ~0.7 MB of kernels per shape).
+            # cache of whole chunks on CPU in bf16: the attention products keep their shapes
+            # for KEY_CHUNK steps (oneDNN makes and keeps ~0.7 MB of kernels per shape).
             lengths = pos if lengths is None else lengths
             shortest, longest = torch.stack(lengths.aminmax()).tolist()
-            size = cache_size(longest, key_chunk(prev.device))  # the cache after this step
+            size = cache_size(longest, chunk)  # the cache after this step
             positions = torch.arange(size, device=prev.device)
             if shortest < longest:
                 past = (positions <= lengths[:, None])[:, None, None, :]  # [N,1,1,t']
@@ -382,13 +382,13 @@ class Transformer(nn.Module):
         return StepOutput(logits, attention), new_state
 
     def join(self, a: State, b: State) -> State:
-        # a cache's size says nothing of what is filled (on CPU it grows by chunks): `pos` does
+        # a cache's size says nothing of what is filled (it may grow by chunks): `pos` does
         a, b = ({CACHE_LENGTHS: s["pos"], **s} for s in (a, b))
         lengths, keys = {"src_mask": 1, "src_keys_mask": 1}, ["src_keys_mask"]
         for i in range(len(self.decoder)):
             lengths.update({f"src_k{i}": 2, f"src_v{i}": 2, f"cache_k{i}": 2, f"cache_v{i}": 2})
             keys += [f"src_k{i}", f"src_v{i}"]
-        return join_states(a, b, lengths, chunked=tuple(keys))
+        return join_states(a, b, lengths, chunked=tuple(keys), chunk=key_chunk(a["src_k0"]))
 
     def forward(
         self, src: Tensor, src_mask: Tensor, tgt_in: Tensor, src_lengths: Tensor | None = None
