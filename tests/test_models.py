@@ -227,10 +227,24 @@ def test_join_decodes_each_sentence_as_it_would_alone(variant, mode):
     """Sentences joined to others half-way through their decoding (`join`: other source
     lengths, other cache lengths) step as they would alone, through steps in which the
     joined caches are ragged, and after the longer-running sentences have left."""
+    join_decodes_as_alone(variant, mode, torch.float32)
+
+
+@pytest.mark.parametrize("mode", [torch.enable_grad, torch.inference_mode])
+@pytest.mark.parametrize("variant", sorted(v for v in VARIANTS if v.startswith("transformer")))
+def test_a_join_in_bf16_decodes_each_sentence_as_it_would_alone(variant, mode):
+    """The same in bf16 autocast, where the transformer's keys and caches come in chunks on
+    CPU. (Not the RNNs: their bf16 products round differently with the batch's shape, 2e-4
+    relative in an attention weight of rnn_attention-additive, bf16's rounding, not the join's.)"""
+    join_decodes_as_alone(variant, mode, torch.bfloat16)
+
+
+def join_decodes_as_alone(variant: str, mode, dtype: torch.dtype) -> None:
     model = make(variant)
     src, mask, tgt = batch([5, 3, 6, 2], [7, 7, 7, 7], seed=1)
     w = 2  # hypotheses per sentence
-    with mode():
+    low = torch.autocast("cpu", dtype, enabled=dtype != torch.float32)
+    with mode(), low:
         # a: sentences 0 and 1, two steps ahead; b: sentences 2 and 3 (longer source), fresh
         state = {}
         for part in ((0, 1), (2, 3)):
@@ -240,6 +254,8 @@ def test_join_decodes_each_sentence_as_it_would_alone(variant, mode):
         for t in range(2):
             _, state[0, 1] = model.step(tgt[:2, t].repeat_interleave(w), state[0, 1])
         joined = model.join(state[0, 1], state[2, 3])
+        if dtype != torch.float32:  # the chunked keys this case is for
+            assert joined["src_k0"].dtype == dtype and joined["src_k0"].shape[2] == KEY_CHUNK
         for k, v in joined.items():  # caches keep the rows `rows` points into
             assert k.startswith(CACHE_PREFIX) or v.size(0) == (4 if k.startswith("src_") else 8)
         alone = dict(state)

@@ -79,7 +79,14 @@ class Prepared:
             raise NMTError(
                 f"unknown split {name!r}; prepared splits: {', '.join(self.summary['splits'])}"
             )
-        return EncodedSplit.load(self.dir / "splits" / name)
+        split = EncodedSplit.load(self.dir / "splits" / name)
+        pairs = self.summary["splits"][name].get("pairs", len(split))
+        if len(split) != pairs:  # an Arrow file cut between two record batches still reads
+            raise NMTError(
+                f"the prepared split in {self.dir / 'splits' / name} holds {len(split)} pairs "
+                f"where {pairs} were prepared; delete {self.dir} and run `nmt prepare` again"
+            )
+        return split
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_dir(self.dir)

@@ -142,8 +142,8 @@ def reorder_state(state: State, index: Tensor, sentences: Tensor | None = None) 
 def extend_cache(cache: Tensor, rows: Tensor, new: Tensor, dim: int) -> Tensor:
     """The cache's rows `rows` with `new` (one row per entry of `rows`) appended along `dim`:
     ``torch.cat([cache.index_select(0, rows), new], dim)``, where every row has filled the
-    whole cache (the transformer on a GPU; on CPU it writes into chunks,
-    `extend_ragged_cache`)."""
+    whole cache (the transformer where its keys are not chunked, `key_chunk` 1; else it writes
+    into chunks, `extend_ragged_cache`)."""
     return torch.cat([cache.index_select(0, rows), new], dim)
 
 

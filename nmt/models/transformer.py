@@ -9,7 +9,7 @@ continues, see `nmt.models.base`); the cross-attention keys/values `src_k{i}`/`s
 [B,H,S,Dh] are computed once per sentence in `init_state`, and the hypotheses of a sentence
 query them together. A joined state (`join`) may be ragged: its hypotheses have filled
 `len` [N] positions of the cache each, the rest zeros that self-attention masks. On CPU in
-bf16 the caches and the source keys `src_keys_mask` [B,S'] come in whole chunks of KEY_CHUNK
+bf16 (or fp16) the caches and the source keys `src_keys_mask` [B,S'] come in whole chunks of KEY_CHUNK
 positions (zeros, masked) so that attention keeps a few shapes (`nmt.models.base.key_chunk`).
 """
 
@@ -359,7 +359,7 @@ class Transformer(nn.Module):
         chunk = key_chunk(state["cache_k0"])
         if lengths is not None or chunk > 1:
             # Each hypothesis writes at its own position (its `pos`: what it has filled), in a
-            # cache of whole chunks on CPU in bf16: the attention products keep their shapes
+            # cache of whole chunks on CPU in bf16/fp16: the attention products keep their shapes
             # for KEY_CHUNK steps (oneDNN makes and keeps ~0.7 MB of kernels per shape).
             lengths = pos if lengths is None else lengths
             shortest, longest = torch.stack(lengths.aminmax()).tolist()
