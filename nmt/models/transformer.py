@@ -9,8 +9,9 @@ continues, see `nmt.models.base`); the cross-attention keys/values `src_k{i}`/`s
 [B,H,S,Dh] are computed once per sentence in `init_state`, and the hypotheses of a sentence
 query them together. A joined state (`join`) may be ragged: its hypotheses have filled
 `len` [N] positions of the cache each, the rest zeros that self-attention masks. On CPU in
-bf16 (or fp16) the caches and the source keys `src_keys_mask` [B,S'] come in whole chunks of KEY_CHUNK
-positions (zeros, masked) so that attention keeps a few shapes (`nmt.models.base.key_chunk`).
+bf16 (or fp16) the caches and the source keys `src_keys_mask` [B,S'] come in whole chunks of
+KEY_CHUNK positions (zeros, masked) so that attention keeps a few shapes
+(`nmt.models.base.key_chunk`).
 """
 
 from __future__ import annotations
