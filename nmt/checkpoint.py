@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nmt import NMTError
+from nmt import NMTError, first_line
 
 FORMAT = "nmt-checkpoint-1"
 
@@ -63,9 +63,8 @@ def load(path: Path, mmap: bool = False) -> dict[str, Any]:
             ) from None
         raise NMTError(f"cannot read checkpoint {path}: truncated or not a checkpoint") from None
     except Exception as e:  # torch raises many types for truncated or foreign files
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise NMTError(
-            f"cannot read checkpoint {path}: truncated or not a checkpoint ({first})"
+            f"cannot read checkpoint {path}: truncated or not a checkpoint ({first_line(e)})"
         ) from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise NMTError(f"{path} is not an nmt checkpoint (no {FORMAT!r} marker)")

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
-from nmt import NMTError
+from nmt import NMTError, first_line
 from nmt.models.configs import CONFIGS, ModelConfig, TransformerConfig
 from nmt.models.configs import arch_of as _arch_of
 
@@ -473,8 +473,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     try:
         raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        first = str(e).strip().splitlines()[0]
-        raise ConfigError(f"cannot parse recipe {path}: {first}") from None
+        raise ConfigError(f"cannot parse recipe {path}: {first_line(e)}") from None
     if raw is not None and not isinstance(raw, dict):
         raise ConfigError(
             f"cannot parse recipe {path}: expected a mapping with sections data, tokenizer, "

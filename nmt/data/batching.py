@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nmt import NMTError
+from nmt import NMTError, first_line
 from nmt.special import BOS_ID, EOS_ID, PAD_ID
 
 if TYPE_CHECKING:
@@ -102,9 +102,8 @@ class EncodedSplit:
             for column in ("src", "tgt", "src_ids", "tgt_ids"):
                 table.column(column)
         except (OSError, ValueError, KeyError, TypeError, IndexError, pa.ArrowException) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise NMTError(
-                f"the prepared split in {path} cannot be read ({first}); delete "
+                f"the prepared split in {path} cannot be read ({first_line(e)}); delete "
                 f"{path.parent.parent} and run `nmt prepare` again"
             ) from None
         return cls(table)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nmt import NMTError
+from nmt import NMTError, first_line
 from nmt.config import DataConfig
 
 if TYPE_CHECKING:  # imported where a corpus is read: a prepared run never needs it
@@ -419,8 +419,7 @@ def _load_hub(
             f"dataset {name} has no split {split!r}; check data.train/valid/test"
         ) from None
     except (FileNotFoundError, ValueError, ConnectionError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise NMTError(f"cannot load dataset {name!r} split {split!r}: {first}") from None
+        raise NMTError(f"cannot load dataset {name!r} split {split!r}: {first_line(e)}") from None
     if "translation" not in ds.column_names:
         raise NMTError(
             f"dataset {name} has no 'translation' field (columns: {', '.join(ds.column_names)})"
