@@ -79,11 +79,12 @@ class Prepared:
             raise NMTError(
                 f"unknown split {name!r}; prepared splits: {', '.join(self.summary['splits'])}"
             )
-        split = EncodedSplit.load(self.dir / "splits" / name)
+        path = self.dir / "splits" / name
+        split = EncodedSplit.load(path)
         pairs = self.summary["splits"][name].get("pairs", len(split))
         if len(split) != pairs:  # an Arrow file cut between two record batches still reads
             raise NMTError(
-                f"the prepared split in {self.dir / 'splits' / name} holds {len(split)} pairs "
+                f"the prepared split in {path} holds {len(split)} pairs "
                 f"where {pairs} were prepared; delete {self.dir} and run `nmt prepare` again"
             )
         return split
