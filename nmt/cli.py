@@ -898,6 +898,13 @@ def serve(
         "--workers",
         help="Decoding threads, each with a running batch (0 = auto: 2 with 2+ threads).",
     ),
+    processes: bool = typer.Option(
+        True,
+        "--processes/--threads",
+        help="On CPU, each decoding thread runs nmt's search in a child process of its own "
+        "(two searches in one process take turns at Python's lock); --threads keeps them in "
+        "the server's process.",
+    ),
     max_lines: int = typer.Option(100, "--max-lines", help="Lines per request."),
     max_body_kb: int = typer.Option(1024, "--max-body-kb", help="Request body size limit."),
     device: str = typer.Option("auto", "--device"),
@@ -917,6 +924,7 @@ def serve(
         max_batch_tokens=max_batch_tokens,
         max_wait_ms=max_wait_ms,
         workers=workers,
+        processes=processes,
         max_lines=max_lines,
         max_body_bytes=max_body_kb * 1024,
         decode=tuple(

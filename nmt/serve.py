@@ -53,12 +53,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from nmt import NMTError, __version__, config
+from nmt import NMTError, __version__, config, first_line
 from nmt.config import Config
 from nmt.device import resolve_precision
 from nmt.engine import ENGINES, Engine, NMTEngine, open_engine
 from nmt.search import SearchOptions
 from nmt.translate import attention_of, decode_workers, search_options, translate_lines
+from nmt.workers import DecodeProcess, DecodeProcessError, Load
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ class ServeSettings:
     # 10-20% more sentences/s with a lower p99 (scripts/bench_serve.py, a shared machine).
     max_wait_ms: float = 50.0
     workers: int = 0  # decoding threads; 0 = as `nmt translate` (2 on a CPU with 2+ threads)
+    # each decoding thread runs nmt's search on CPU in a child process (`nmt.workers`), for
+    # models loaded from a path (`ServedModel.load`); `nmt serve` does unless --threads
+    processes: bool = False
     max_lines: int = 100  # lines per request
     max_body_bytes: int = 1 << 20  # request body
     max_beam: int = 32  # larger beams make one request cost as much as hundreds
@@ -153,6 +157,7 @@ class ServedModel:
     max_tokens: int  # source tokens per line (`max_source_tokens`)
     has_attention: bool
     info: dict[str, Any] = field(default_factory=dict)
+    load: Load | None = None  # how a decoding process loads it (nmt's engine on CPU), or None
 
     def __post_init__(self) -> None:
         self.options = lru_cache(maxsize=256)(self._options)
@@ -273,6 +278,15 @@ def load_served(
         served.options(DecodeRequest(), 1 << 30)
     except NMTError as e:
         raise NMTError(f"model {spec.name}: {e}") from None
+    if isinstance(opened, NMTEngine) and device.type == "cpu":
+        served.load = Load(
+            spec.name,
+            opened.checkpoints[0],
+            opened.name,
+            str(device),
+            opened.precision,
+            tuple(sorted(opened.facts.items())),
+        )
     served.info = {
         "name": spec.name,
         **model_info(opened),
@@ -354,12 +368,25 @@ class Batcher:
     waiting sentence has waited `max_wait` seconds, or nothing has arrived for a fifth of
     that (a burst of requests is over: a lone request does not wait the whole time), or the
     waiting sentences fill a batch. With 2 threads on 2 cores, each has half of torch's
-    threads (the way `decode_batches` keeps both cores busy)."""
+    threads (the way `decode_batches` keeps both cores busy).
 
-    def __init__(self, max_batch_tokens: int | None, max_wait_ms: float, workers: int) -> None:
+    With `loads`, each thread starts a child process that loads those models
+    (`nmt.workers.DecodeProcess`, with the thread's share of torch's threads) and runs their
+    running batches there: the thread schedules, its child searches, and two searches do not
+    take turns at one interpreter's lock. Other models' batches run in the thread."""
+
+    def __init__(
+        self,
+        max_batch_tokens: int | None,
+        max_wait_ms: float,
+        workers: int,
+        loads: list[Load] | None = None,
+    ) -> None:
         self.budget = max_batch_tokens
         self.max_wait = max_wait_ms / 1000
         self.workers = workers
+        self.loads = list(loads or [])
+        self.processes: list[DecodeProcess] = []  # the threads' children, once started
         self.stats = Stats()
         self._queues: dict[tuple[str, SearchOptions], deque[Job]] = {}
         self._costs: dict[tuple[str, SearchOptions], int] = {}  # waiting cost per queue
@@ -375,13 +402,26 @@ class Batcher:
 
     def start(self) -> Batcher:
         """Start the decoding threads, each with its share of the calling thread's torch
-        threads (the process' count is left as it was)."""
+        threads (the process' count is left as it was), and their decoding processes (loaded
+        when this returns; `NMTError` when one cannot start)."""
         before = torch.get_num_threads()
         threads = max(1, before // self.workers)
+        if self.loads:  # started one after the other: loading takes both cores
+            try:
+                for _ in range(self.workers):
+                    self.processes.append(DecodeProcess(self.loads, threads).start())
+            except DecodeProcessError as e:
+                for process in self.processes:
+                    process.close()
+                raise NMTError(f"a decoding process could not start: {first_line(e)}") from None
         started = threading.Barrier(self.workers + 1)
         for i in range(self.workers):
+            process = self.processes[i] if self.processes else None
             t = threading.Thread(
-                target=self._work, args=(threads, started), name=f"nmt-serve-{i}", daemon=True
+                target=self._work,
+                args=(threads, started, process),
+                name=f"nmt-serve-{i}",
+                daemon=True,
             )
             t.start()
             self._threads.append(t)
@@ -434,15 +474,20 @@ class Batcher:
         job.pending.clear()
 
     def close(self) -> None:
-        """Decode what is queued, then stop the threads (the server is shutting down)."""
+        """Decode what is queued, then stop the threads and their processes (the server is
+        shutting down)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
         for t in self._threads:
             t.join()
+        for process in self.processes:
+            process.close()
 
     # -- in the decoding threads --------------------------------------------------------------
-    def _work(self, threads: int, started: threading.Barrier) -> None:
+    def _work(
+        self, threads: int, started: threading.Barrier, process: DecodeProcess | None
+    ) -> None:
         # This thread's intra-op threads. torch sets a thread's count from the process' one
         # at its first parallel operation unless it has been asked already: ask first, set
         # after, so that `start` may restore the process' count.
@@ -459,7 +504,10 @@ class Batcher:
                 if key not in slots:
                     job = batch[0][0]
                     try:
-                        stream = job.model.engine.stream(job.opts)
+                        if process is not None and job.model.name in process.loads:
+                            stream = process.stream(job.model.name, job.opts)
+                        else:
+                            stream = job.model.engine.stream(job.opts)
                     except Exception as e:  # decoded alone, or failed, request by request
                         self._recover(batch, e)
                         continue
@@ -750,12 +798,16 @@ class ServerState:
         devices = {m.device for m in models}
         workers = self.settings.workers or decode_workers(0, next(iter(devices)), 1 << 30)
         s = self.settings
-        self.batcher = Batcher(s.max_batch_tokens, s.max_wait_ms, workers).start()
+        loads = [m.load for m in models if m.load is not None] if s.processes else []
+        self.batcher = Batcher(s.max_batch_tokens, s.max_wait_ms, workers, loads).start()
         self.ready.set()
         log.info(
-            "ready: %s; %d decoding thread(s), batches of at most %s tokens gathered for %g ms",
+            "ready: %s; %d decoding thread(s)%s, batches of at most %s tokens gathered for %g ms",
             ", ".join(f"{m.name} ({m.info['arch']}, {m.precision})" for m in models),
             workers,
+            f", each searching in its own process ({', '.join(x.name for x in loads)})"
+            if loads
+            else "",
             s.max_batch_tokens or "decode.batch_tokens",
             s.max_wait_ms,
         )

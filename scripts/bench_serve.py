@@ -8,7 +8,7 @@ What is measured
     per row (default all of them), --seconds how long a row may take (default 120).
   * Server: `python -m nmt serve RUN --host 127.0.0.1 --port P` in a subprocess on a free
     port of 127.0.0.1 (nothing else is contacted), with --max-wait-ms, --max-batch-tokens,
-    --workers and --precision passed on when given (else the server's defaults). After
+    --workers, --precision and --threads passed on when given (else the server's defaults). After
     /ready, --warmup requests (untimed), then for each --clients value C: C clients in one
     asyncio loop, each on its own keep-alive connection, send POST /translate {"text":
     sentence, "beam": B}; a shared counter hands out the sentences. A client is a few lines
@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-tokens", type=int, default=None)
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--precision", default="auto")
+    p.add_argument(
+        "--threads", action="store_true", help="nmt serve --threads: search in the server's process"
+    )
     p.add_argument("--offline-repeats", type=int, default=3)
     p.add_argument("--no-offline", action="store_true", help="skip the offline baseline")
     p.add_argument("--json", default=None, help="write the results here")
@@ -109,6 +112,8 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
     ):
         if value is not None:
             cmd += [flag, str(value)]
+    if args.threads:
+        cmd.append("--threads")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

@@ -33,6 +33,7 @@ from nmt import checkpoint
 from nmt.models.base import count_parameters
 from nmt.serve import ModelSpec, ServeSettings, create_app, load_served
 from nmt.translate import load_model, search_options, translate_lines
+from nmt.workers import DecodeProcess, DecodeProcessError
 
 CPU = torch.device("cpu")
 CHROMIUM = Path("/usr/bin/chromium")
@@ -487,6 +488,95 @@ def test_a_decoding_error_fails_its_request_alone(served, english, alone, caplog
     assert "Traceback" in logged and f"cannot decode {poison!r}" in logged
 
 
+def decoding_children(pid: int) -> set[int]:
+    """The decoding processes of process `pid`: its children started by multiprocessing's
+    spawn (not its resource tracker)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat, cmdline = (entry / "stat").read_text(), (entry / "cmdline").read_bytes()
+        except OSError:  # gone meanwhile
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
+            found.add(int(entry.name))
+    return found
+
+
+def test_decoding_processes_translate_as_the_threads_do(served, english, alone):
+    """processes=True: each decoding thread searches in a child process of its own, which
+    loaded both models; concurrent requests get the translations and scores of the search in
+    this process. A child killed between requests is replaced at its thread's next batch,
+    and closing the server ends the children."""
+    app = create_app(served, ServeSettings(max_wait_ms=100, workers=2, processes=True))
+    requests = [{"text": line, "scores": True} for line in english[:6]]
+    requests += [{"text": english[6:9], "model": "s2s"}, {"text": english[9], "beam": 2}]
+
+    async def send_all(c):
+        answers = await asyncio.gather(*(c.post("/translate", json=r) for r in requests))
+        return [a.json() for a in answers]
+
+    def check(answers) -> None:
+        for request, answer in zip(requests[:6], answers):
+            (got,) = answer["translations"]
+            assert (got["text"], pytest.approx(got["score"], abs=1e-5)) == alone(request["text"])
+        assert texts(answers[6]) == texts(client_answers[0])
+        assert texts(answers[7]) == [alone(english[9], beam=2)[0]]
+
+    with TestClient(create_app(served, SETTINGS)) as c:  # threads: the s2s model's answer
+        client_answers = [c.post("/translate", json=requests[6]).json()]
+
+    async def run():
+        async with async_client(app) as c:
+            processes = app.state.nmt.batcher.processes
+            pids = [p.pid for p in processes]
+            assert len(set(pids)) == 2 and set(pids) <= decoding_children(os.getpid())
+            assert all(set(p.loads) == {"tiny", "s2s"} for p in processes)
+            check(await send_all(c))
+            os.kill(pids[0], signal.SIGKILL)
+            while processes[0].alive():
+                await asyncio.sleep(0.01)
+            check(await send_all(c))  # both threads take sentences: the dead child's too
+            stats = (await c.get("/stats")).json()
+            return processes, pids, stats
+
+    processes, pids, stats = asyncio.run(run())
+    assert [p.started for p in processes] == [2, 1]
+    assert stats["failed_requests"] == 0 and stats["batches"] >= 4
+    assert not decoding_children(os.getpid()) & set(pids)  # closed with the app
+
+
+def test_a_decoding_process_reports_its_errors(runs, served):
+    """The child's errors are raised in the caller with its traceback, and leave its other
+    running batches as they were; a model that is not the one the server loaded (its
+    checkpoint was saved again meanwhile) stops the child at once with the reason."""
+    load = served[0].load
+    opts = search_options(served[0].config.decode)
+    process = DecodeProcess([load], threads=1).start()
+    try:
+        stream = process.stream("tiny", opts)
+        stream.add(["A dog runs."], [7])
+        with pytest.raises(DecodeProcessError, match="a stream searches") as e:
+            process.stream("tiny", dataclasses.replace(opts, sample=True)).add(["a"], [8])
+        assert "in the decoding process:\nTraceback" in str(e.value)
+        with pytest.raises(DecodeProcessError, match="KeyError: 'nope'"):
+            process.stream("nope", opts).add(["a"], [9])
+        ended = []
+        while len(stream):
+            ended += stream.step()
+        (sid, nbest), *rest = ended
+        assert (sid, rest) == (7, []) and nbest[0][0] == served[0].engine.translate(
+            ["A dog runs."], opts, batch_tokens=1000
+        )[0][0][0]
+    finally:
+        process.close()
+    assert not process.alive()
+    stale = dataclasses.replace(load, facts=(("step", -1),))
+    with pytest.raises(DecodeProcessError, match="changed while the server loaded it"):
+        DecodeProcess([stale], threads=1).start()
+
+
 # -- a real uvicorn process ------------------------------------------------------------------------
 
 
@@ -605,8 +695,10 @@ def test_real_server_batches_concurrent_clients_amid_bad_ones(server, english, a
 
 def test_sigterm_answers_the_requests_in_flight_and_exits_0(runs, english, alone):
     """SIGTERM while 8 requests wait in the queue (for 3 s, --max-wait-ms): new connections
-    are refused at once, each of the 8 still gets its translation, the process exits 0."""
+    are refused at once, each of the 8 still gets its translation (from the decoding
+    process), the process exits 0 and its decoding process with it."""
     with nmt_server(runs["tiny"], *FP32, "--max-wait-ms", "3000", "--workers", "1") as (proc, url):
+        (child,) = decoding_children(proc.pid)
         results: list = []
         threads = [
             threading.Thread(
@@ -636,6 +728,7 @@ def test_sigterm_answers_the_requests_in_flight_and_exits_0(runs, english, alone
         assert proc.wait(60) == 0
         stderr = proc.stderr.read()
     assert "Traceback" not in stderr
+    assert not Path(f"/proc/{child}").exists()
     assert sorted(texts(r.json())[0] for r in results) == sorted(
         alone(line)[0] for line in english[:8]
     )
