@@ -18,7 +18,8 @@ alone, and leave the batch as soon as they end; CTranslate2 decodes what was tak
 batch. So a long request shares the batch with the requests behind it, and a sentence waits
 for no other's end. An idle thread first gathers what arrives within `max_wait_ms`. Each
 request is answered when its last sentence is decoded. The event loop only parses,
-validates and waits.
+validates and waits. With `ServeSettings.processes` (`nmt serve` but for --threads), each
+thread runs nmt's CPU searches in a child process of its own (`nmt.workers`).
 
 Errors: a client's mistake is a 4xx JSON body `{"error": "one sentence"}`; a decoding error
 fails the requests of its batch alone (each is retried alone to find the one that fails),
