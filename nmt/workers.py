@@ -86,10 +86,15 @@ class DecodeProcess:
         self._conn, self._process = parent, process
         self.started += 1
         _opened(self)
-        if not parent.poll(START_TIMEOUT_S):
+        try:
+            if not parent.poll(START_TIMEOUT_S):
+                raise DecodeProcessError(
+                    f"the decoding process did not start in {START_TIMEOUT_S:g} s"
+                )
+            self._answer()  # "ready", or its error
+        except DecodeProcessError:
             self.close()
-            raise DecodeProcessError(f"the decoding process did not start in {START_TIMEOUT_S:g} s")
-        self._answer()  # "ready", or its error
+            raise
         return self
 
     @property
@@ -107,8 +112,14 @@ class DecodeProcess:
             self.start()
         return RemoteStream(self, name, opts)
 
-    def call(self, *message: Any) -> Any:
-        """Send a request, return the child's answer (or raise its error)."""
+    def call(self, generation: int, *message: Any) -> Any:
+        """Send a request to child number `generation`, return its answer (or raise its
+        error); a stream of a child that has ended since gets `DecodeProcessError`."""
+        if generation != self.started or self._conn is None:
+            raise DecodeProcessError(
+                "the decoding process that held this running batch has ended; its sentences "
+                "are lost"
+            )
         try:
             self._conn.send(message)
         except (OSError, ValueError):  # a broken pipe, or closed
@@ -155,18 +166,19 @@ class RemoteStream:
 
     def __init__(self, process: DecodeProcess, name: str, opts: SearchOptions) -> None:
         self.process, self.name, self.opts = process, name, opts
+        self.generation = process.started  # the child it lives in (a restarted one has none)
         self._active = 0
 
     def __len__(self) -> int:
         return self._active
 
     def add(self, lines: list[str], ids: list) -> None:
-        self.process.call("add", self.name, self.opts, lines, ids)
+        self.process.call(self.generation, "add", self.name, self.opts, lines, ids)
         self._active += len(lines)
 
     def step(self) -> list:
         try:
-            ended = self.process.call("step", self.name, self.opts)
+            ended = self.process.call(self.generation, "step", self.name, self.opts)
         except DecodeProcessError:
             self._active = 0  # the running batch is lost
             raise
@@ -227,11 +239,15 @@ def _child(conn, loads: list[Load], threads: int) -> None:
             except Exception as e:  # noqa: BLE001 - raised in the server's thread
                 if kind == "step":  # a failed step loses its batch (an add changes nothing)
                     streams.pop(key, None)
-                conn.send(("error", _message(e)))
-                continue
-            if not len(stream):
-                del streams[key]
-            conn.send(("ok", answer))
+                reply = ("error", _message(e))
+            else:
+                if not len(stream):
+                    del streams[key]
+                reply = ("ok", answer)
+            try:
+                conn.send(reply)
+            except OSError:  # the server is gone
+                return
 
 
 def _message(e: BaseException) -> str:

@@ -549,8 +549,9 @@ def test_decoding_processes_translate_as_the_threads_do(served, english, alone):
 
 def test_a_decoding_process_reports_its_errors(runs, served):
     """The child's errors are raised in the caller with its traceback, and leave its other
-    running batches as they were; a model that is not the one the server loaded (its
-    checkpoint was saved again meanwhile) stops the child at once with the reason."""
+    running batches as they were; a killed child fails its batches and is replaced; a model
+    that is not the one the server loaded (its checkpoint was saved again meanwhile) stops
+    the child at once with the reason."""
     load = served[0].load
     opts = search_options(served[0].config.decode)
     process = DecodeProcess([load], threads=1).start()
@@ -569,6 +570,24 @@ def test_a_decoding_process_reports_its_errors(runs, served):
         assert (sid, rest) == (7, []) and nbest[0][0] == served[0].engine.translate(
             ["A dog runs."], opts, batch_tokens=1000
         )[0][0][0]
+        # a child that dies: its batches fail, the next stream starts a new child, and a
+        # batch of the dead one fails instead of stepping an empty batch in the new one
+        other = process.stream("tiny", dataclasses.replace(opts, beam=2))
+        stream.add(["A dog runs."], [1])
+        other.add(["Two cats sleep."], [2])
+        os.kill(process.pid, signal.SIGKILL)
+        while process.alive():
+            time.sleep(0.01)
+        with pytest.raises(DecodeProcessError, match=r"ended \(exit code -9\)"):
+            stream.step()
+        again = process.stream("tiny", opts)
+        with pytest.raises(DecodeProcessError, match="has ended; its sentences are lost"):
+            other.step()
+        again.add(["A dog runs."], [3])
+        ended = []
+        while len(again):
+            ended += again.step()
+        assert process.started == 2 and [(i, n[0][0]) for i, n in ended] == [(3, nbest[0][0])]
     finally:
         process.close()
     assert not process.alive()
