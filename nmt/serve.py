@@ -19,7 +19,7 @@ batch. So a long request shares the batch with the requests behind it, and a sen
 for no other's end. An idle thread first gathers what arrives within `max_wait_ms`. Each
 request is answered when its last sentence is decoded. The event loop only parses,
 validates and waits. With `ServeSettings.processes` (`nmt serve` but for --threads), each
-thread runs nmt's CPU searches in a child process of its own (`nmt.workers`).
+thread runs nmt's CPU searches in a child process of its own (`nmt.decode_process`).
 
 Errors: a client's mistake is a 4xx JSON body `{"error": "one sentence"}`; a decoding error
 fails the requests of its batch alone (each is retried alone to find the one that fails),
@@ -56,11 +56,11 @@ from starlette.exceptions import HTTPException
 
 from nmt import NMTError, __version__, config, first_line
 from nmt.config import Config
+from nmt.decode_process import DecodeProcess, DecodeProcessError, Load
 from nmt.device import resolve_precision
 from nmt.engine import ENGINES, Engine, NMTEngine, open_engine
 from nmt.search import SearchOptions
 from nmt.translate import attention_of, decode_workers, search_options, translate_lines
-from nmt.workers import DecodeProcess, DecodeProcessError, Load
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class ServeSettings:
     # 10-20% more sentences/s with a lower p99 (scripts/bench_serve.py, a shared machine).
     max_wait_ms: float = 50.0
     workers: int = 0  # decoding threads; 0 = as `nmt translate` (2 on a CPU with 2+ threads)
-    # each decoding thread runs nmt's search on CPU in a child process (`nmt.workers`), for
+    # each decoding thread runs nmt's search on CPU in a child process (`nmt.decode_process`), for
     # models loaded from a path (`ServedModel.load`); `nmt serve` does unless --threads
     processes: bool = False
     max_lines: int = 100  # lines per request
@@ -280,14 +280,7 @@ def load_served(
     except NMTError as e:
         raise NMTError(f"model {spec.name}: {e}") from None
     if isinstance(opened, NMTEngine) and device.type == "cpu":
-        served.load = Load(
-            spec.name,
-            opened.checkpoints[0],
-            opened.name,
-            str(device),
-            opened.precision,
-            tuple(sorted(opened.facts.items())),
-        )
+        served.load = Load.of(spec.name, opened)
     served.info = {
         "name": spec.name,
         **model_info(opened),
@@ -372,7 +365,7 @@ class Batcher:
     threads (the way `decode_batches` keeps both cores busy).
 
     With `loads`, each thread starts a child process that loads those models
-    (`nmt.workers.DecodeProcess`, with the thread's share of torch's threads) and runs their
+    (`nmt.decode_process.DecodeProcess`, with the thread's share of torch's threads) and runs their
     running batches there: the thread schedules, its child searches, and two searches do not
     take turns at one interpreter's lock. Other models' batches run in the thread."""
 
@@ -411,10 +404,12 @@ class Batcher:
             try:
                 for _ in range(self.workers):
                     self.processes.append(DecodeProcess(self.loads, threads).start())
-            except DecodeProcessError as e:
+            except BaseException as e:
                 for process in self.processes:
                     process.close()
-                raise NMTError(f"a decoding process could not start: {first_line(e)}") from None
+                if isinstance(e, DecodeProcessError):
+                    raise NMTError(f"a decoding process could not start: {first_line(e)}") from None
+                raise
         started = threading.Barrier(self.workers + 1)
         for i in range(self.workers):
             process = self.processes[i] if self.processes else None
@@ -505,10 +500,7 @@ class Batcher:
                 if key not in slots:
                     job = batch[0][0]
                     try:
-                        if process is not None and job.model.name in process.loads:
-                            stream = process.stream(job.model.name, job.opts)
-                        else:
-                            stream = job.model.engine.stream(job.opts)
+                        stream, process = self._stream(job, process)
                     except Exception as e:  # decoded alone, or failed, request by request
                         self._recover(batch, e)
                         continue
@@ -519,6 +511,22 @@ class Batcher:
                     self._step(slot)
                 if not slot.members:
                     del slots[key]
+
+    def _stream(self, job: Job, process: DecodeProcess | None) -> tuple[Any, DecodeProcess | None]:
+        """A new running batch for `job`'s queue: in this thread's child process when it has
+        the model, else in the thread; and the child to use from now on (None once a child
+        that had ended could not be started again: the thread then decodes by itself)."""
+        if process is None or job.model.name not in process.loads:
+            return job.model.engine.stream(job.opts), process
+        try:
+            return process.stream(job.model.name, job.opts), process
+        except DecodeProcessError as e:  # a new child could not start
+            log.error(
+                "%s: %s; this thread decodes in the server's process from now on",
+                threading.current_thread().name,
+                first_line(e),
+            )
+            return job.model.engine.stream(job.opts), None
 
     def _budget(self, jobs: deque[Job]) -> int:
         return self.budget or jobs[0].model.config.decode.batch_tokens

@@ -30,10 +30,10 @@ from fastapi.testclient import TestClient
 from test_translate_cli import FP32, PNG_MAGIC, nmt_cli, ok, one_line_error, read_gz_lines
 
 from nmt import checkpoint
+from nmt.decode_process import DecodeProcess, DecodeProcessError
 from nmt.models.base import count_parameters
 from nmt.serve import ModelSpec, ServeSettings, create_app, load_served
 from nmt.translate import load_model, search_options, translate_lines
-from nmt.workers import DecodeProcess, DecodeProcessError
 
 CPU = torch.device("cpu")
 CHROMIUM = Path("/usr/bin/chromium")
@@ -538,13 +538,40 @@ def test_decoding_processes_translate_as_the_threads_do(served, english, alone):
             while processes[0].alive():
                 await asyncio.sleep(0.01)
             check(await send_all(c))  # both threads take sentences: the dead child's too
+            pids += [p.pid for p in processes]  # the new child
             stats = (await c.get("/stats")).json()
             return processes, pids, stats
 
     processes, pids, stats = asyncio.run(run())
-    assert [p.started for p in processes] == [2, 1]
+    assert [p.started for p in processes] == [2, 1] and len(set(pids)) == 3
     assert stats["failed_requests"] == 0 and stats["batches"] >= 4
     assert not decoding_children(os.getpid()) & set(pids)  # closed with the app
+
+
+def test_a_thread_whose_child_cannot_start_again_decodes_by_itself(served, english, alone, caplog):
+    """A child that died and cannot be started again (here: the checkpoint it would load is
+    not the server's any more): its thread logs why and decodes in the server's process."""
+    app = create_app(served[:1], ServeSettings(max_wait_ms=0, workers=1, processes=True))
+
+    async def run():
+        async with async_client(app) as c:
+            (process,) = app.state.nmt.batcher.processes
+            first = await c.post("/translate", json={"text": english[0]})
+            load = process.loads["tiny"]
+            process.loads["tiny"] = dataclasses.replace(load, fingerprint="saved again")
+            os.kill(process.pid, signal.SIGKILL)
+            while process.alive():
+                await asyncio.sleep(0.01)
+            second = await c.post("/translate", json={"text": english[1]})
+            third = await c.post("/translate", json={"text": english[2]})
+            return [texts(r.json()) for r in (first, second, third)], process
+
+    with caplog.at_level(logging.ERROR, logger="nmt.serve"):
+        answers, process = asyncio.run(run())
+    assert answers == [[alone(line)[0]] for line in english[:3]]
+    assert process.started == 2  # one attempt, not one per batch
+    (record,) = [r for r in caplog.records if "decodes in the server's process" in r.getMessage()]
+    assert "changed after the server loaded them" in record.getMessage()
 
 
 def test_a_decoding_process_reports_its_errors(runs, served):
@@ -591,8 +618,8 @@ def test_a_decoding_process_reports_its_errors(runs, served):
     finally:
         process.close()
     assert not process.alive()
-    stale = dataclasses.replace(load, facts=(("step", -1),))
-    with pytest.raises(DecodeProcessError, match="changed while the server loaded it"):
+    stale = dataclasses.replace(load, fingerprint="another checkpoint")
+    with pytest.raises(DecodeProcessError, match="changed after the server loaded them"):
         DecodeProcess([stale], threads=1).start()
 
 
@@ -619,6 +646,7 @@ def nmt_server(*args, ready: bool = True):
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "COLUMNS": "400"},
+        start_new_session=True,  # its own process group, as a service manager starts it
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -713,9 +741,10 @@ def test_real_server_batches_concurrent_clients_amid_bad_ones(server, english, a
 
 
 def test_sigterm_answers_the_requests_in_flight_and_exits_0(runs, english, alone):
-    """SIGTERM while 8 requests wait in the queue (for 3 s, --max-wait-ms): new connections
-    are refused at once, each of the 8 still gets its translation (from the decoding
-    process), the process exits 0 and its decoding process with it."""
+    """SIGTERM to the server's process group (as a service manager sends it) while 8 requests
+    wait in the queue (for 3 s, --max-wait-ms): new connections are refused at once, each of
+    the 8 still gets its translation from the decoding process, which ignored the signal, the
+    server exits 0 and its decoding process with it."""
     with nmt_server(runs["tiny"], *FP32, "--max-wait-ms", "3000", "--workers", "1") as (proc, url):
         (child,) = decoding_children(proc.pid)
         results: list = []
@@ -733,7 +762,7 @@ def test_sigterm_answers_the_requests_in_flight_and_exits_0(runs, english, alone
         while get(f"{url}/stats").json()["queued_sentences"] < 8:  # all 8 in the queue
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
         # no longer accepting: refused, or (caught while the listening socket closes)
         # accepted by the kernel and dropped unanswered
@@ -742,11 +771,14 @@ def test_sigterm_answers_the_requests_in_flight_and_exits_0(runs, english, alone
                 httpx.get(f"{url}/health", timeout=5)
                 time.sleep(0.02)
         assert not results  # ...while the 8 requests still wait for their batch
+        assert decoding_children(proc.pid) == {child}  # alive: it ignored the signal
         for t in threads:
             t.join(60)
         assert proc.wait(60) == 0
         stderr = proc.stderr.read()
     assert "Traceback" not in stderr
+    assert "1 decoding thread(s), each searching in its own process" in stderr
+    assert "starting a new one" not in stderr and "decodes in the server's process" not in stderr
     assert not Path(f"/proc/{child}").exists()
     assert sorted(texts(r.json())[0] for r in results) == sorted(
         alone(line)[0] for line in english[:8]

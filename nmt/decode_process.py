@@ -7,26 +7,31 @@ keeping 16 sentences in flight each (beam 5, the Multi30k transformer recipe, bf
 cores, no HTTP), two threads decoded 93 sentences/s, two processes 112 (55 and 57).
 
 `DecodeProcess` starts a child process (`spawn`) that loads the models it is given as the
-server loaded them (`nmt.engine.open_engine`, the same checkpoint files and precision), holds
-their weights fixed and keeps their running batches. `stream(name, opts)` is a `Stream`
-(`nmt.engine`) whose `add` and `step` are a message to the child and its answer, so a
-decoding thread of the server (`nmt.serve.Batcher`) drives a search in its own process as it
-would drive one in itself, and waits for the answer without holding the lock. Results are
-those of the same search in the server's process: the same code on the same weights.
+server loaded them (`nmt.engine.open_engine`: the same checkpoint file, precision and device)
+and checks that it has the same weights and tokenizer (`fingerprint`), holds the weights fixed
+and keeps their running batches. `stream(name, opts)` is a `Stream` (`nmt.engine`) whose
+`add` and `step` are a message to the child and its answer, so a decoding thread of the server
+(`nmt.serve.Batcher`) drives a search in its own process as it would drive one in itself,
+and waits for the answer without holding the lock. Results are those of the same search in
+the server's process: the same code on the same weights.
 
 An error in the child is raised in the caller as `DecodeProcessError`, with the child's
 traceback in its message; a failed `add` leaves the running batch as it was, a failed `step`
-loses it (as in a thread). If the child dies, the next call says so, and the next `stream`
-starts a new one. The child ignores SIGINT and SIGTERM: a Ctrl-C on the terminal or a
-service manager's SIGTERM to the whole group reaches the server too, which finishes the
-requests in flight and then closes its children (`close`); a child whose server is gone reads
-the end of its pipe and exits.
+loses it (as in a thread). If the child dies, the next call of each of its streams says so,
+and the next `stream` starts a new child (logged). The child ignores SIGINT and SIGTERM (from
+its start: they are blocked while it is spawned): a Ctrl-C on the terminal or a service
+manager's SIGTERM to the whole group reaches the server too, which answers the requests in
+flight and then closes its children (`close`); a child whose server is gone reads the end of
+its pipe and exits.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
+import itertools
+import logging
 import multiprocessing
 import signal
 import threading
@@ -36,23 +41,52 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from nmt.search import SearchOptions
 
+log = logging.getLogger(__name__)
+
 START_TIMEOUT_S = 600.0  # loading a model: seconds; a child silent this long is stuck
+SIGNALS = {signal.SIGINT, signal.SIGTERM}  # the server's to act on, not its children's
+
+
+def fingerprint(engine) -> str:
+    """A digest of a loaded nmt engine's weights (every tensor of its state dict, by name)
+    and tokenizer files: two processes that loaded the same checkpoint have the same one."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in engine.model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
+    for path in engine.tokenizer.files:
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
 class Load:
     """A model for a child to load: what `open_engine` was given, resolved (the checkpoint
-    file the server loaded, its precision), and the facts it found (checked in the child:
-    the same step and parameters, not a checkpoint saved since)."""
+    file the server loaded, its precision and device), and the `fingerprint` of what the
+    server loaded, which the child's must equal."""
 
     name: str
     checkpoint: Path
     engine: str
     device: str
     precision: str
-    facts: tuple[tuple[str, Any], ...]
+    fingerprint: str
+
+    @classmethod
+    def of(cls, name: str, engine) -> Load:
+        """How a child loads `engine` (an `NMTEngine` the server loaded) under `name`."""
+        return cls(
+            name,
+            engine.checkpoints[0],
+            engine.name,
+            str(engine.device),
+            engine.precision,
+            fingerprint(engine),
+        )
 
 
 class DecodeProcessError(RuntimeError):
@@ -68,6 +102,7 @@ class DecodeProcess:
         self.threads = threads
         self._conn: Any = None
         self._process: Any = None
+        self._ids = itertools.count()
         self.started = 0  # children started: 1, or more after a child died
 
     def start(self) -> DecodeProcess:
@@ -81,7 +116,13 @@ class DecodeProcess:
             name="nmt-decode",
             daemon=True,
         )
-        process.start()
+        # blocked from the start: a signal to the group while the child imports torch
+        # would end it; the child ignores them before it lets them in (`_child`)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
         self._conn, self._process = parent, process
         self.started += 1
@@ -91,44 +132,49 @@ class DecodeProcess:
                 raise DecodeProcessError(
                     f"the decoding process did not start in {START_TIMEOUT_S:g} s"
                 )
-            self._answer()  # "ready", or its error
-        except DecodeProcessError:
+            self._answer(parent)  # "ready", or its error
+        except BaseException:
             self.close()
             raise
         return self
 
     @property
     def pid(self) -> int | None:
-        return None if self._process is None else self._process.pid
+        process = self._process
+        return None if process is None else process.pid
 
     def alive(self) -> bool:
-        return self._process is not None and self._process.is_alive()
+        process = self._process
+        return process is not None and process.is_alive()
 
     def stream(self, name: str, opts: SearchOptions) -> RemoteStream:
-        """The child's running batch of model `name` with search options `opts` (a new child
-        first if the last one ended)."""
+        """A new running batch of model `name` with search options `opts` in the child (a new
+        child first if the last one ended)."""
         if not self.alive():
+            if self.started:
+                log.warning("decoding process %s ended; starting a new one", self.pid)
             self.close()
             self.start()
-        return RemoteStream(self, name, opts)
+        return RemoteStream(self, next(self._ids), name, opts)
 
     def call(self, generation: int, *message: Any) -> Any:
         """Send a request to child number `generation`, return its answer (or raise its
         error); a stream of a child that has ended since gets `DecodeProcessError`."""
-        if generation != self.started or self._conn is None:
+        conn = self._conn
+        if generation != self.started or conn is None:
             raise DecodeProcessError(
                 "the decoding process that held this running batch has ended; its sentences "
                 "are lost"
             )
         try:
-            self._conn.send(message)
+            conn.send(message)
         except (OSError, ValueError):  # a broken pipe, or closed
             raise self._ended() from None
-        return self._answer()
+        return self._answer(conn)
 
-    def _answer(self) -> Any:
+    def _answer(self, conn) -> Any:
         try:
-            kind, value = self._conn.recv()
+            kind, value = conn.recv()
         except (EOFError, OSError):
             raise self._ended() from None
         if kind == "error":
@@ -162,10 +208,11 @@ class DecodeProcess:
 
 
 class RemoteStream:
-    """A `Stream` (`nmt.engine`) of a child process: model `name`, options `opts`."""
+    """A `Stream` (`nmt.engine`) in a child process: the child's running batch number `sid`,
+    of model `name` with options `opts`."""
 
-    def __init__(self, process: DecodeProcess, name: str, opts: SearchOptions) -> None:
-        self.process, self.name, self.opts = process, name, opts
+    def __init__(self, process: DecodeProcess, sid: int, name: str, opts: SearchOptions) -> None:
+        self.process, self.sid, self.name, self.opts = process, sid, name, opts
         self.generation = process.started  # the child it lives in (a restarted one has none)
         self._active = 0
 
@@ -173,12 +220,12 @@ class RemoteStream:
         return self._active
 
     def add(self, lines: list[str], ids: list) -> None:
-        self.process.call(self.generation, "add", self.name, self.opts, lines, ids)
+        self.process.call(self.generation, "add", self.sid, self.name, self.opts, lines, ids)
         self._active += len(lines)
 
     def step(self) -> list:
         try:
-            ended = self.process.call(self.generation, "step", self.name, self.opts)
+            ended = self.process.call(self.generation, "step", self.sid, self.name, self.opts)
         except DecodeProcessError:
             self._active = 0  # the running batch is lost
             raise
@@ -191,12 +238,19 @@ class RemoteStream:
 
 def _child(conn, loads: list[Load], threads: int) -> None:
     """The child's loop: load, answer "ready", then answer add/step requests until "exit" or
-    the end of the pipe."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    import torch
-
+    the end of the pipe. Its running batches are the server's streams, by number: one the
+    server gave up (after an error on its side) holds nothing another stream reads."""
+    for signum in SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
     from nmt.engine import open_engine
+
+    def send(reply: tuple) -> bool:
+        try:
+            conn.send(reply)
+        except OSError:  # the server is gone
+            return False
+        return True
 
     torch.set_num_threads(threads)
     with contextlib.ExitStack() as held:
@@ -206,18 +260,20 @@ def _child(conn, loads: list[Load], threads: int) -> None:
                 engine = open_engine(
                     [load.checkpoint], load.engine, torch.device(load.device), load.precision
                 )
-                if tuple(sorted(engine.facts.items())) != load.facts:
+                if fingerprint(engine) != load.fingerprint:
                     raise DecodeProcessError(
-                        f"the checkpoint {load.checkpoint} of model {load.name} changed while "
-                        "the server loaded it; start the server again"
+                        f"the checkpoint {load.checkpoint} or the tokenizer of model "
+                        f"{load.name} changed after the server loaded them; start the server "
+                        "again"
                     )
                 held.enter_context(engine.held())
                 engines[load.name] = engine
         except BaseException as e:  # noqa: BLE001 - told to the server, which stops
-            conn.send(("error", _message(e)))
+            send(("error", _message(e)))
             return
-        conn.send(("ready", None))
-        streams: dict[tuple[str, SearchOptions], Any] = {}
+        if not send(("ready", None)):
+            return
+        streams: dict[int, Any] = {}
         while True:
             try:
                 message = conn.recv()
@@ -225,12 +281,11 @@ def _child(conn, loads: list[Load], threads: int) -> None:
                 return
             if message[0] == "exit":
                 return
-            kind, name, opts, *args = message
-            key = (name, opts)
+            kind, sid, name, opts, *args = message
+            stream = streams.get(sid)
             try:
-                stream = streams.get(key)
                 if stream is None:
-                    stream = streams[key] = engines[name].stream(opts)
+                    stream = streams[sid] = engines[name].stream(opts)
                 if kind == "add":
                     stream.add(*args)
                     answer = None
@@ -238,15 +293,13 @@ def _child(conn, loads: list[Load], threads: int) -> None:
                     answer = stream.step()
             except Exception as e:  # noqa: BLE001 - raised in the server's thread
                 if kind == "step":  # a failed step loses its batch (an add changes nothing)
-                    streams.pop(key, None)
+                    streams.pop(sid, None)
                 reply = ("error", _message(e))
             else:
-                if not len(stream):
-                    del streams[key]
                 reply = ("ok", answer)
-            try:
-                conn.send(reply)
-            except OSError:  # the server is gone
+            if sid in streams and not len(streams[sid]):
+                del streams[sid]  # the server drops an empty batch too (`nmt.serve.Slot`)
+            if not send(reply):
                 return
 
 
@@ -255,6 +308,8 @@ def _message(e: BaseException) -> str:
     lines = traceback.format_exception(e)
     return f"{type(e).__name__}: {e}\nin the decoding process:\n{''.join(lines).rstrip()}"
 
+
+# -- at the server's exit ---------------------------------------------------------------------
 
 _open: weakref.WeakSet[DecodeProcess] = weakref.WeakSet()  # started, not closed
 _registered: list[bool] = []
@@ -270,7 +325,8 @@ def _opened(process: DecodeProcess) -> None:
 
 
 def _close_all() -> None:
-    """At the server's exit, before multiprocessing's own exit handler joins its children
-    (registered later, so run first): the children ignore SIGTERM, and exit when asked."""
-    for process in list(_open):
-        process.close(timeout=10)
+    """At the server's exit, before multiprocessing's own exit handler joins its children:
+    they ignore SIGTERM, and exit when asked (or when their pipe ends)."""
+    while _open:
+        for process in list(_open):
+            process.close(timeout=10)
