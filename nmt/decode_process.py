@@ -33,8 +33,8 @@ import hashlib
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.util  # registers its exit handler now: `_close_all` is registered after
 import signal
-import threading
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -126,7 +126,7 @@ class DecodeProcess:
         child.close()
         self._conn, self._process = parent, process
         self.started += 1
-        _opened(self)
+        _open.add(self)
         try:
             if not parent.poll(START_TIMEOUT_S):
                 raise DecodeProcessError(
@@ -312,21 +312,15 @@ def _message(e: BaseException) -> str:
 # -- at the server's exit ---------------------------------------------------------------------
 
 _open: weakref.WeakSet[DecodeProcess] = weakref.WeakSet()  # started, not closed
-_registered: list[bool] = []
-_lock = threading.Lock()
-
-
-def _opened(process: DecodeProcess) -> None:
-    with _lock:
-        if not _registered:  # after multiprocessing's exit handler: runs before it
-            atexit.register(_close_all)
-            _registered.append(True)
-        _open.add(process)
 
 
 def _close_all() -> None:
-    """At the server's exit, before multiprocessing's own exit handler joins its children:
-    they ignore SIGTERM, and exit when asked (or when their pipe ends)."""
+    """At the server's exit, before multiprocessing's own exit handler joins its children
+    (exit handlers run last registered first): they ignore SIGTERM, and exit when asked (or
+    when their pipe ends)."""
     while _open:
         for process in list(_open):
             process.close(timeout=10)
+
+
+atexit.register(_close_all)

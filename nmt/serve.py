@@ -85,8 +85,8 @@ class ServeSettings:
     # 10-20% more sentences/s with a lower p99 (scripts/bench_serve.py, a shared machine).
     max_wait_ms: float = 50.0
     workers: int = 0  # decoding threads; 0 = as `nmt translate` (2 on a CPU with 2+ threads)
-    # each decoding thread runs nmt's search on CPU in a child process (`nmt.decode_process`), for
-    # models loaded from a path (`ServedModel.load`); `nmt serve` does unless --threads
+    # each decoding thread runs the searches of nmt's own engine on CPU in a child process
+    # (`nmt.decode_process`); `nmt serve` does unless --threads
     processes: bool = False
     max_lines: int = 100  # lines per request
     max_body_bytes: int = 1 << 20  # request body
@@ -158,7 +158,6 @@ class ServedModel:
     max_tokens: int  # source tokens per line (`max_source_tokens`)
     has_attention: bool
     info: dict[str, Any] = field(default_factory=dict)
-    load: Load | None = None  # how a decoding process loads it (nmt's engine on CPU), or None
 
     def __post_init__(self) -> None:
         self.options = lru_cache(maxsize=256)(self._options)
@@ -279,8 +278,6 @@ def load_served(
         served.options(DecodeRequest(), 1 << 30)
     except NMTError as e:
         raise NMTError(f"model {spec.name}: {e}") from None
-    if isinstance(opened, NMTEngine) and device.type == "cpu":
-        served.load = Load.of(spec.name, opened)
     served.info = {
         "name": spec.name,
         **model_info(opened),
@@ -807,7 +804,11 @@ class ServerState:
         devices = {m.device for m in models}
         workers = self.settings.workers or decode_workers(0, next(iter(devices)), 1 << 30)
         s = self.settings
-        loads = [m.load for m in models if m.load is not None] if s.processes else []
+        loads = [
+            Load.of(m.name, m.engine)  # nmt's own engine on CPU: what a child can load
+            for m in models
+            if s.processes and isinstance(m.engine, NMTEngine) and m.device.type == "cpu"
+        ]
         self.batcher = Batcher(s.max_batch_tokens, s.max_wait_ms, workers, loads).start()
         self.ready.set()
         log.info(

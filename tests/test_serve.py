@@ -30,7 +30,7 @@ from fastapi.testclient import TestClient
 from test_translate_cli import FP32, PNG_MAGIC, nmt_cli, ok, one_line_error, read_gz_lines
 
 from nmt import checkpoint
-from nmt.decode_process import DecodeProcess, DecodeProcessError
+from nmt.decode_process import DecodeProcess, DecodeProcessError, Load
 from nmt.models.base import count_parameters
 from nmt.serve import ModelSpec, ServeSettings, create_app, load_served
 from nmt.translate import load_model, search_options, translate_lines
@@ -579,7 +579,7 @@ def test_a_decoding_process_reports_its_errors(runs, served):
     running batches as they were; a killed child fails its batches and is replaced; a model
     that is not the one the server loaded (its checkpoint was saved again meanwhile) stops
     the child at once with the reason."""
-    load = served[0].load
+    load = Load.of("tiny", served[0].engine)
     opts = search_options(served[0].config.decode)
     process = DecodeProcess([load], threads=1).start()
     try:
