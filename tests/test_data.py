@@ -28,7 +28,7 @@ from nmt.config import Config, from_dict
 from nmt.data.batching import EncodedSplit, TokenBatches
 from nmt.data.prepare import Prepared, prepare, prepared_dir, split_names
 from nmt.data.sources import MULTI30K, corpus_file, load_split
-from nmt.data.tokenizer import JOINT, SRC, TGT
+from nmt.data.tokenizer import BATCH_CALL, JOINT, SRC, TGT
 from nmt.run import attach
 from nmt.special import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
@@ -660,6 +660,14 @@ def test_tokenizer_kinds_special_ids_and_round_trip(kind, joint):
     assert isinstance(valid.texts("src"), list)
     assert valid.table.column("src_ids").to_pylist() == tok.encode_src(valid.texts("src"))
     assert valid.table.column("tgt_ids").to_pylist() == tok.encode_tgt(valid.texts("tgt"))
+    # short lists go line by line (no thread pool per call), long ones in one batch call:
+    # both are sentencepiece's encoding and decoding of the whole list
+    texts = train.texts("src")
+    assert len(texts) > BATCH_CALL
+    for lines in (texts[:1], texts[:5], texts[: BATCH_CALL - 1], texts[:BATCH_CALL], texts):
+        ids = tok.encode_src(lines)
+        assert ids == tok.src.encode(lines) and tok.encode_tgt(lines) == tok.tgt.encode(lines)
+        assert tok.decode_tgt(ids) == tok.tgt.decode(ids)
 
     if not joint:  # each side's vocabulary comes from that side's text only
         src_chars = set("".join(train.texts("src")))

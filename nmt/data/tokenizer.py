@@ -84,6 +84,22 @@ def _load(path: Path) -> spm.SentencePieceProcessor:
         ) from None
 
 
+# Below this many items, sentencepiece is called once per item: its batch call starts a pool
+# of threads each time, ~0.15-0.3 ms however short the list (what a server pays for every
+# request it takes in and every step that ends a sentence), while one short line encodes in
+# ~10 us and decodes in ~6 us. Measured on 1 core: 1 line encoded 326 us as a list, 50 us
+# one by one; 64 lines 1,385 against 814 us; 500 lines 3,779 against 6,499 us.
+BATCH_CALL = 256
+
+
+def _batched(call, items: list) -> list:
+    """`call` (a sentencepiece encode or decode) of every item, in one batch call (threads)
+    for long lists only (`BATCH_CALL`)."""
+    if len(items) >= BATCH_CALL:
+        return call(items)
+    return [call(item) for item in items]
+
+
 class Tokenizer:
     """Source and target sentencepiece processors (the same one when the vocabulary is joint)."""
 
@@ -111,13 +127,13 @@ class Tokenizer:
         return sorted({self.src_model, self.tgt_model})
 
     def encode_src(self, lines: list[str]) -> list[list[int]]:
-        return self.src.encode(lines)
+        return _batched(self.src.encode, lines)
 
     def encode_tgt(self, lines: list[str]) -> list[list[int]]:
-        return self.tgt.encode(lines)
+        return _batched(self.tgt.encode, lines)
 
     def decode_tgt(self, ids: list[list[int]]) -> list[str]:
-        return self.tgt.decode(ids)
+        return _batched(self.tgt.decode, ids)
 
     def src_pieces(self, line: str) -> list[str]:
         return self.src.encode(line, out_type=str)
