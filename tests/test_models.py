@@ -14,12 +14,14 @@ from nmt.models.base import (
     CACHE_PREFIX,
     KEY_CHUNK,
     SOURCE_PREFIX,
+    StepOutput,
     Vocab,
     count_parameters,
     extend_cache,
     extend_ragged_cache,
     fixed_weights,
     reorder_state,
+    step_log_probs,
 )
 from nmt.models.configs import CONFIGS, RNNAttentionConfig, Seq2SeqConfig, TransformerConfig
 from nmt.models.layers import (
@@ -207,6 +209,24 @@ def check_reorder_state(model) -> None:
     torch.testing.assert_close(out2.logits, ref2.logits[index][within])
     for k, v in reordered.items():  # caches are left for the step to reorder
         assert (v is out_state[k]) == k.startswith((SOURCE_PREFIX, CACHE_PREFIX)), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_log_probs_are_log_softmax_in_fp32(dtype):
+    """The same values as `log_softmax(logits, dtype=float32)` (computed in place on CPU
+    without autograd), and through autograd where logits need a gradient."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 50, generator=g) * 4).to(dtype)
+    expected = torch.log_softmax(logits, -1, dtype=torch.float32)
+    with torch.inference_mode():
+        got = step_log_probs(StepOutput(logits.clone(), None))
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
+    grad = logits.clone().requires_grad_()
+    out = step_log_probs(StepOutput(grad, None))
+    assert torch.equal(out.detach(), expected) and out.requires_grad
+    assert torch.equal(grad.detach(), logits)  # a leaf that needs a gradient is not written over
+    given = torch.randn(6, 50, generator=g).to(dtype)  # the model's own log-probs win
+    assert torch.equal(step_log_probs(StepOutput(logits, None, given)), given.float())
 
 
 @pytest.mark.parametrize("mode", [torch.enable_grad, torch.inference_mode])
