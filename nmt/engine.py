@@ -328,7 +328,7 @@ class CT2Engine:
         kwargs = self.options(opts)
         stripped = [line.strip() for line in lines]
         todo = [i for i, line in enumerate(stripped) if line]
-        sources = self.tokenizer.src.encode([stripped[i] for i in todo], out_type=str)
+        sources = self.tokenizer.encode_src_pieces([stripped[i] for i in todo])
         limits = length_limits(torch.tensor([len(s) + 1 for s in sources]), opts).tolist()
         for i, (source, limit) in enumerate(zip(sources, limits)):
             if max(len(source) + 1, limit) > self.positions:

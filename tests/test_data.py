@@ -668,6 +668,7 @@ def test_tokenizer_kinds_special_ids_and_round_trip(kind, joint):
         ids = tok.encode_src(lines)
         assert ids == tok.src.encode(lines) and tok.encode_tgt(lines) == tok.tgt.encode(lines)
         assert tok.decode_tgt(ids) == tok.tgt.decode(ids)
+        assert tok.encode_src_pieces(lines) == tok.src.encode(lines, out_type=str)
 
     if not joint:  # each side's vocabulary comes from that side's text only
         src_chars = set("".join(train.texts("src")))

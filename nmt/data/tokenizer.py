@@ -139,6 +139,10 @@ class Tokenizer:
     def src_pieces(self, line: str) -> list[str]:
         return self.src.encode(line, out_type=str)
 
+    def encode_src_pieces(self, lines: list[str]) -> list[list[str]]:
+        """The source pieces of every line (what CTranslate2 translates)."""
+        return _batched(lambda x: self.src.encode(x, out_type=str), lines)
+
     def tgt_pieces(self, ids: list[int]) -> list[str]:
         return [self.tgt.id_to_piece(i) for i in ids]
 
