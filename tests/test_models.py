@@ -13,6 +13,7 @@ from nmt.models.base import (
     CACHE_LENGTHS,
     CACHE_PREFIX,
     KEY_CHUNK,
+    NO_ROW,
     SOURCE_PREFIX,
     StepOutput,
     Vocab,
@@ -319,7 +320,9 @@ def test_joined_caches_are_ragged_until_their_lengths_meet(dtype):
         assert b["src_k0"].shape[2] == max(6, chunk) and b["src_keys_mask"].sum() == 6
         joined = model.join(a, b)
         assert joined[CACHE_LENGTHS].tolist() == [3, 0]
-        assert not joined["cache_k0"][1].any()  # b's row: nothing filled yet
+        # b's hypothesis has nothing filled yet: no row of the cache, which is a's, not copied
+        assert joined["rows"].tolist() == [0, NO_ROW]
+        assert joined["cache_k0"] is a["cache_k0"]
         _, joined = model.step(tgt[:, 0], joined)
         assert joined[CACHE_LENGTHS].tolist() == [4, 1]
         assert joined["cache_k0"].shape[2] == max(4, chunk)
@@ -364,6 +367,11 @@ def test_extend_ragged_cache_writes_each_row_at_its_length(mode):
         out = extend_ragged_cache(cache, rows, new, lengths, 8, 2, 4)  # a chunk of 8
         shorter = extend_ragged_cache(cache, rows[[0, 2]], new[[0, 2]], lengths[[0, 2]], 3, 2, 2)
         aligned = extend_ragged_cache(cache, rows, new, None, 6, 2, 4)  # all have filled 4
+        # rows 0 and 2 start empty (NO_ROW, those given as `empty`): zeros, then their entry
+        starting = torch.tensor([NO_ROW, 0, NO_ROW])
+        fresh = extend_ragged_cache(
+            cache, starting, new, torch.tensor([0, 4, 0]), 8, 2, 4, torch.tensor([0, 2])
+        )
     expected = torch.cat([cache[rows], torch.zeros(3, 2, 4, 5)], 2)
     for i, at in enumerate(lengths.tolist()):
         expected[i, :, at] = new[i, :, 0]
@@ -371,6 +379,9 @@ def test_extend_ragged_cache_writes_each_row_at_its_length(mode):
     assert torch.equal(shorter, expected[[0, 2], :, :3])  # past the longest row: dropped
     assert torch.equal(aligned[:, :, :4], cache[rows]) and torch.equal(aligned[:, :, 4:5], new)
     assert aligned.shape[2] == 6 and not aligned[:, :, 5:].any()
+    assert torch.equal(fresh[1], expected[1])
+    for i in (0, 2):
+        assert torch.equal(fresh[i, :, 0], new[i, :, 0]) and not fresh[i, :, 1:].any()
 
 
 def test_source_state_is_constant_over_steps(variant):

@@ -24,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from nmt.models.base import (
     CACHE_LENGTHS,
     CACHE_ROWS,
+    NO_ROW,
     State,
     StepOutput,
     cache_size,
@@ -248,7 +249,7 @@ class DecoderLayer(nn.Module):
         k: Tensor,
         v: Tensor,
         mask: Tensor,
-        ragged: tuple[Tensor | None, int, Tensor, int] | None = None,
+        ragged: tuple[Tensor | None, int, Tensor, int, Tensor | None] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """One position x[N,1,D] of N hypotheses, which continue the rows `rows` [N] of the
         cache [M,H,t,Dh], against their sentences' source k/v[B,H,S,Dh] -> y, cache_k' and
@@ -262,9 +263,9 @@ class DecoderLayer(nn.Module):
             cache_v = extend_cache(cache_v, rows, v_new, 2)
             y, _ = attend_step(q, cache_k, cache_v)  # all cached positions are past
         else:
-            lengths, size, self_mask, longest = ragged
-            cache_k = extend_ragged_cache(cache_k, rows, k_new, lengths, size, 2, longest)
-            cache_v = extend_ragged_cache(cache_v, rows, v_new, lengths, size, 2, longest)
+            lengths, size, self_mask, longest, empty = ragged
+            cache_k = extend_ragged_cache(cache_k, rows, k_new, lengths, size, 2, longest, empty)
+            cache_v = extend_ragged_cache(cache_v, rows, v_new, lengths, size, 2, longest, empty)
             y, _ = attend_step(q, cache_k, cache_v, self_mask)  # the filled positions
         x = self.res_self.outer(x, self.self_attn.out(merge_heads(y)))
         y, weights = self.cross_attn.step(self.res_cross.inner(x), k, v, mask)
@@ -363,7 +364,9 @@ class Transformer(nn.Module):
             # cache of whole chunks on CPU in bf16/fp16: the attention products keep their shapes
             # for KEY_CHUNK steps (oneDNN makes and keeps ~0.7 MB of kernels per shape).
             lengths = pos if lengths is None else lengths
-            shortest, longest = torch.stack(lengths.aminmax()).tolist()
+            shortest, longest, first = torch.stack([*lengths.aminmax(), rows.min()]).tolist()
+            # hypotheses that joined with an empty cache have no row of it yet (`join_states`)
+            empty = (rows == NO_ROW).nonzero().flatten() if first == NO_ROW else None
             size = cache_size(longest, chunk)  # the cache after this step
             positions = torch.arange(size, device=prev.device)
             if shortest < longest:
@@ -371,7 +374,7 @@ class Transformer(nn.Module):
                 new_state[CACHE_LENGTHS] = lengths + 1
             else:  # every row fills the same positions: one write for all, one mask
                 lengths, past = None, (positions <= longest)[None, None, None, :]
-            ragged = (lengths, size, past, longest)
+            ragged = (lengths, size, past, longest, empty)
         for i, layer in enumerate(self.decoder):
             ck, cv = state[f"cache_k{i}"], state[f"cache_v{i}"]
             k, v = state[f"src_k{i}"], state[f"src_v{i}"]
