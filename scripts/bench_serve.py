@@ -27,6 +27,11 @@ What is measured
     median pass. Also
     how many of the server's translations equal the offline ones (batches of other
     sentences may change bf16 rounding, rarely the words).
+  * With --alone, decoding alone at each client count C, after the server has stopped: the
+    decoding processes the server runs, fed directly by a thread each that keeps its share of
+    C sentences in flight (`alone`). The server's figure over this one is what HTTP, the
+    queue and the scheduling cost; this one over offline is what decoding sentences that come
+    and go, one at a time, costs against whole sorted batches.
   * The 1-minute load average before each part: other processes on the cores lower (and
     scatter) the numbers.
 
@@ -37,6 +42,8 @@ Commands:
   ... scripts/bench_serve.py --run runs/multi30k_transformer --clients 32 --beam 5
   # several client counts, server settings:
   ... scripts/bench_serve.py --run RUN --clients 1 8 32 64 --max-wait-ms 10 --workers 2
+  # where the time goes at 32 clients: the server, decoding alone, offline
+  ... scripts/bench_serve.py --run RUN --clients 32 --alone
   # smoke test (~30 s):
   ... scripts/bench_serve.py --run RUN --clients 8 --requests 100 --offline-repeats 1
 """
@@ -84,6 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--offline-repeats", type=int, default=3)
     p.add_argument("--no-offline", action="store_true", help="skip the offline baseline")
+    p.add_argument(
+        "--alone",
+        action="store_true",
+        help="also decoding alone at each client count: the server's decoding processes fed "
+        "directly, without HTTP or queue",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
 
@@ -230,6 +243,77 @@ def offline(args: argparse.Namespace, sentences: list[str]):
     return passes
 
 
+def feed(children: list, opts, sentences: list[str], clients: int, seconds: float) -> int:
+    """Keep `clients` of `sentences` in flight in the decoding processes `children` (their
+    shares, a thread each), the next added as soon as one ends, until all are decoded or
+    `seconds` have passed (those in flight then finish); returns how many were decoded."""
+    import threading
+
+    todo, lock, done = iter(range(len(sentences))), threading.Lock(), [0]
+    deadline = time.perf_counter() + seconds
+
+    def drive(child, in_flight: int) -> None:
+        stream = child.stream("model", opts)
+        while True:
+            with lock:
+                late = time.perf_counter() > deadline
+                take = [] if late else list(itertools.islice(todo, in_flight - len(stream)))
+            if take:
+                stream.add([sentences[i] for i in take], take)
+            if not len(stream):
+                return
+            ended = len(stream.step())
+            with lock:
+                done[0] += ended
+
+    n = len(children)
+    shares = [clients // n + (i < clients % n) for i in range(n)]
+    drivers = [threading.Thread(target=drive, args=cs) for cs in zip(children, shares)]
+    for t in drivers:
+        t.start()
+    for t in drivers:
+        t.join()
+    return done[0]
+
+
+def alone(args: argparse.Namespace, sentences: list[str]) -> dict[int, dict[str, Any]]:
+    """Decoding alone at each --clients value C: the decoding processes `nmt serve` runs
+    (`nmt.decode_process`: as many as its workers, each with its share of 2 torch threads,
+    the same model and precision), each fed by a thread of this process that keeps its share
+    of C sentences in flight (`feed`). No HTTP, no queue, no scheduling: what the server's
+    decoding reaches at that concurrency."""
+    import torch
+
+    from nmt import config
+    from nmt.decode_process import DecodeProcess, Load
+    from nmt.engine import open_engine
+    from nmt.translate import decode_workers, search_options
+
+    bu.setup_torch(2)
+    cpu = torch.device("cpu")
+    engine = open_engine([Path(args.run)], "nmt", cpu, args.precision)
+    d = config.replace(engine.config, [f"decode.beam={args.beam}"]).decode
+    opts = search_options(d, nbest=min(d.nbest, args.beam))  # as the server's {"beam": B}
+    workers = args.workers or decode_workers(0, cpu, 1 << 30)
+    threads = max(1, torch.get_num_threads() // workers)
+    children = []
+    try:
+        for _ in range(workers):
+            children.append(DecodeProcess([Load.of("model", engine)], threads).start())
+        feed(children, opts, sentences[:32], 8, args.seconds)  # warm-up
+        rows = {}
+        for clients in args.clients:
+            t0 = time.perf_counter()
+            done = feed(children, opts, sentences, clients, args.seconds)
+            rate = done / (time.perf_counter() - t0)
+            rows[clients] = {"sentences": done, "sentences_per_s": rate}
+            print(f"{clients} in flight, decoding alone: {rate:.1f} sentences/s")
+        return rows
+    finally:
+        for child in children:
+            child.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     bu.default_env()
@@ -284,6 +368,11 @@ def main(argv: list[str] | None = None) -> None:
         server.terminate()
         server.wait(timeout=120)
 
+    alone_rows = alone(args, sentences) if args.alone else {}
+    for row in rows:
+        if row["clients"] in alone_rows:
+            row["alone_sentences_per_s"] = alone_rows[row["clients"]]["sentences_per_s"]
+
     base = None
     if passes is not None:
         after_runs = passes(args.offline_repeats)
@@ -307,6 +396,10 @@ def main(argv: list[str] | None = None) -> None:
         outputs = row.pop("outputs")
         if base is not None:
             row["ratio_to_offline"] = row["sentences_per_s"] / base["sentences_per_s"]
+            if "alone_sentences_per_s" in row:
+                row["alone_ratio_to_offline"] = (
+                    row["alone_sentences_per_s"] / base["sentences_per_s"]
+                )
             row["identical_to_offline"] = sum(
                 base["texts"][i] == text for i, text in outputs.items()
             ) / max(len(outputs), 1)
@@ -326,6 +419,8 @@ def main(argv: list[str] | None = None) -> None:
             ("sentences_per_step", "sent/step"),
             ("ratio_to_offline", "x offline"),
             ("identical_to_offline", "same text"),
+            ("alone_sentences_per_s", "alone sent/s"),
+            ("alone_ratio_to_offline", "alone x offline"),
             ("load_average_1m", "load"),
         ],
         title=f"nmt serve, beam {args.beam}, {args.run}"
