@@ -19,7 +19,7 @@ from nmt import checkpoint, config
 from nmt.data.prepare import prepare
 from nmt.device import cuda_has_bf16
 from nmt.distributed import World
-from nmt.models.base import Vocab
+from nmt.models.base import Vocab, fixed_weights
 from nmt.models.registry import build_model
 from nmt.run import RunDir, attach
 from nmt.train import Trainee, make_optimizer, train, train_step
@@ -187,3 +187,44 @@ def test_beam_search_in_half_precision_agrees_with_fp32(precision):
 
     fp32, half = best("fp32"), best(precision)
     assert sum(a == b for a, b in zip(fp32, half)) >= 0.9 * len(lines)
+
+
+def test_sentences_joining_a_running_stream_on_the_gpu_are_searched_as_alone():
+    """In-flight batching on CUDA: sentences that join a running beam search (empty caches
+    beside filled ones: no cache row, `NO_ROW`, until their first step) get the n-best they
+    get decoded alone."""
+    from conftest import tiny_run
+
+    from nmt.search import BeamStream
+    from nmt.translate import source_batch, source_mask
+
+    run, cfg = tiny_run("transformer", 160)
+    loaded = load_model(run, CUDA)
+    lines = prepare(cfg).split("test_2016_flickr").texts("src")[:12]
+    opts = search_options(cfg.decode, beam=4, nbest=2)
+    model, tok = loaded.model, loaded.tokenizer
+
+    def source(part: list[str]):
+        src = source_batch(tok.encode_src(part)).to(CUDA)
+        return src, source_mask(src)
+
+    with torch.inference_mode(), fixed_weights(model):
+        alone = {}
+        for i, line in enumerate(lines):
+            stream = BeamStream(model, opts)
+            stream.add(*source([line]), [i])
+            while stream:
+                alone.update(stream.step())
+        stream, joined = BeamStream(model, opts), {}
+        stream.add(*source(lines[:4]), list(range(4)))
+        for i in range(4, len(lines), 2):  # two more every other step
+            for _ in range(2):
+                joined.update(stream.step())
+            stream.add(*source(lines[i : i + 2]), [i, i + 1])
+        while stream:
+            joined.update(stream.step())
+    assert sorted(joined) == list(range(len(lines)))
+    for i in joined:
+        assert [h.tokens for h in joined[i]] == [h.tokens for h in alone[i]], i
+        got, want = [h.score for h in joined[i]], [h.score for h in alone[i]]
+        assert got == pytest.approx(want, abs=1e-4), i
