@@ -38,8 +38,9 @@ entry says how many of its positions each hypothesis has filled, the rest being 
 the model masks (`extend_ragged_cache`). Sentences that join with empty caches beside filled
 ones get no cache row (``rows`` NO_ROW) and a's caches are kept, not copied; the next step
 starts their rows with zeros (a server's stream joins a sentence or two at most steps; not
-copying the running batch's caches then made it ~3% faster). Every hypothesis' real positions start at 0, so a
-sentence computes the same sums in a joined batch as alone, only followed by zeros.
+copying the running batch's caches then made it 3-4% faster). Every hypothesis' real
+positions start at 0, so a sentence computes the same sums in a joined batch as alone, only
+followed by zeros.
 """
 
 from __future__ import annotations
@@ -253,8 +254,8 @@ def join_states(
     sentences that have left a batch leave no padding behind them; those in `chunked` (keys
     attention reads, and their mask) a whole number of `chunk` positions. b's ``rows`` point past
     a's cache rows; when b's caches are empty and a's are not, the caches are a's (no copy)
-    and b's ``rows`` are NO_ROW. When the caches' filled lengths differ, the result has the per-hypothesis
-    ``len`` entry (a ragged state)."""
+    and b's ``rows`` are NO_ROW. When the caches' filled lengths differ, the result has the
+    per-hypothesis ``len`` entry (a ragged state)."""
     if set(a) - {CACHE_LENGTHS} != set(b) - {CACHE_LENGTHS}:
         raise ValueError(f"cannot join states with entries {sorted(a)} and {sorted(b)}")
     caches = [k for k in a if k.startswith(CACHE_PREFIX)]
