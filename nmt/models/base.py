@@ -258,11 +258,12 @@ def join_states(
     per-hypothesis ``len`` entry (a ragged state)."""
     if set(a) - {CACHE_LENGTHS} != set(b) - {CACHE_LENGTHS}:
         raise ValueError(f"cannot join states with entries {sorted(a)} and {sorted(b)}")
-    caches = [k for k in a if k.startswith(CACHE_PREFIX)]
+    # a cache (they all have the same rows and positions) and the dimension of its positions
+    cache = next((k for k in a if k.startswith(CACHE_PREFIX)), None)
+    at = lengths[cache] if cache is not None else 0
     # b's caches hold nothing yet (its sentences start now) and a's do: a's are kept as they
     # are, b's hypotheses have no row in them (NO_ROW), and no copy of a's is made
-    first, dim = (caches[0], lengths[caches[0]]) if caches else (None, 0)
-    unfilled = first is not None and b[first].size(dim) == 0 < a[first].size(dim)
+    unfilled = cache is not None and b[cache].size(at) == 0 < a[cache].size(at)
     longest = None  # source positions of the longest source in a or b
     if "src_mask" in a:
         longest = int(max(a["src_mask"].sum(1).max(), b["src_mask"].sum(1).max()))
@@ -285,18 +286,16 @@ def join_states(
                 )
             x, y = pad_end(x, dim, size), pad_end(y, dim, size)
         elif key == CACHE_ROWS:
-            cache = next(k for k in a if k.startswith(CACHE_PREFIX))
             y = y.new_full(y.shape, NO_ROW) if unfilled else y + a[cache].size(0)
         out[key] = torch.cat([x, y])
-    if caches:
-        key, dim = caches[0], lengths[caches[0]]
+    if cache is not None:
         filled = [
             s[CACHE_LENGTHS]
             if CACHE_LENGTHS in s
-            else s[CACHE_ROWS].new_full(s[CACHE_ROWS].shape, s[key].size(dim))
+            else s[CACHE_ROWS].new_full(s[CACHE_ROWS].shape, s[cache].size(at))
             for s in (a, b)
         ]
-        if CACHE_LENGTHS in a or CACHE_LENGTHS in b or a[key].size(dim) != b[key].size(dim):
+        if CACHE_LENGTHS in a or CACHE_LENGTHS in b or a[cache].size(at) != b[cache].size(at):
             out[CACHE_LENGTHS] = torch.cat(filled)
     return out
 
