@@ -284,22 +284,20 @@ def alone(args: argparse.Namespace, sentences: list[str]) -> dict[int, dict[str,
     decoding reaches at that concurrency."""
     import torch
 
-    from nmt import config
     from nmt.decode_process import DecodeProcess, Load
-    from nmt.engine import open_engine
-    from nmt.translate import decode_workers, search_options
+    from nmt.serve import DecodeRequest, load_served, model_specs
+    from nmt.translate import decode_workers
 
     bu.setup_torch(2)
     cpu = torch.device("cpu")
-    engine = open_engine([Path(args.run)], "nmt", cpu, args.precision)
-    d = config.replace(engine.config, [f"decode.beam={args.beam}"]).decode
-    opts = search_options(d, nbest=min(d.nbest, args.beam))  # as the server's {"beam": B}
+    served = load_served(model_specs([args.run])[0], cpu, args.precision)
+    opts = served.options(DecodeRequest(beam=args.beam), args.beam)  # a {"beam": B} request's
     workers = args.workers or decode_workers(0, cpu, 1 << 30)
     threads = max(1, torch.get_num_threads() // workers)
     children = []
     try:
         for _ in range(workers):
-            children.append(DecodeProcess([Load.of("model", engine)], threads).start())
+            children.append(DecodeProcess([Load.of("model", served.engine)], threads).start())
         feed(children, opts, sentences[:32], 8, args.seconds)  # warm-up
         rows = {}
         for clients in args.clients:
