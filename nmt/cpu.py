@@ -50,3 +50,21 @@ def cpu_has_int8() -> bool:
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
     return True
+
+
+@functools.cache
+def cpu_has_vnni() -> bool:
+    """8-bit dot products without saturation (AVX512-VNNI or AMX) and oneDNN's u8s8 linear
+    kernel, which `nmt.models.layers` runs wide int8 maps on: tried once on a tiny weight."""
+    try:
+        if not (torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()):
+            return False
+        packed = torch.ops.onednn.qlinear_prepack(torch.ones(2, 2, dtype=torch.int8), None)
+        x = torch.ones(1, 2, dtype=torch.uint8)
+        one, zero = torch.ones(2), torch.zeros(2, dtype=torch.long)
+        torch.ops.onednn.qlinear_pointwise(
+            x, 1.0, 0, packed, one, zero, None, 1.0, 0, torch.float32, "none", [], ""
+        )
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nmt import NMTError
-from nmt.cpu import cpu_has_int8
+from nmt.cpu import cpu_has_int8, cpu_has_vnni
 from nmt.device import autocast, resolve_precision
 
 
@@ -129,6 +129,55 @@ def test_int8_linear_maps_are_torchs_dynamic_quantization(bias):
     assert not torch.equal(expected, fp32)
     assert (expected - fp32).abs().max() < 0.02 * fp32.abs().max()
     assert torch.equal(outside, fp32)
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="reads /proc/cpuinfo")
+def test_vnni_is_what_the_cpu_lists():
+    """cpu_has_vnni: 8-bit dot products (AVX512-VNNI or AMX-INT8) as the kernel lists them,
+    with torch's oneDNN int8 kernel there (x86 builds have it)."""
+    assert cpu_has_vnni() == bool({"avx512_vnni", "amx_int8"} & cpu_flags())
+
+
+@pytest.mark.skipif(not cpu_has_vnni(), reason="oneDNN's u8s8 kernel runs on VNNI CPUs only")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.ao's, for the reference
+@pytest.mark.parametrize("relu", [False, True])
+def test_wide_int8_maps_on_onednn_compute_fbgemms_integers(relu):
+    """A map WIDE times wider than its input (a vocabulary projection) over WIDE_ROWS rows or
+    more runs on oneDNN (its own weight cache entry), narrower maps and fewer rows on fbgemm;
+    oneDNN's results are torch's dynamic quantization's (the same int32 products) up to the
+    rounding of their scaling: within 2 ulps of the largest value. On CPUs without VNNI, or
+    where oneDNN's kernel is missing, every map runs on fbgemm (`cpu_has_vnni` is False)."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    from nmt.models.base import fixed_weights
+    from nmt.models.layers import INT8, INT8_WIDE, WIDE, WIDE_ROWS, Linear
+
+    torch.manual_seed(0)
+    wide, narrow = Linear(32, 32 * WIDE).eval(), Linear(32, 32 * WIDE - 1).eval()
+    x = torch.randn(WIDE_ROWS + 3, 32) * 3
+
+    def reference(layer, x):
+        plain = torch.nn.Linear(32, layer.out_features)
+        plain.load_state_dict(layer.state_dict())
+        quantized = quantize_dynamic(
+            torch.nn.Sequential(plain), {torch.nn.Linear: per_channel_dynamic_qconfig}
+        )
+        y = quantized(x)
+        return y.relu() if relu else y
+
+    with torch.inference_mode(), autocast(torch.device("cpu"), "int8"):
+        with fixed_weights(wide), fixed_weights(narrow):
+            got = wide(x, relu=relu)
+            assert set(wide.weight_cache) == {INT8_WIDE}
+            few = wide(x[: WIDE_ROWS - 1], relu=relu)
+            assert set(wide.weight_cache) == {INT8_WIDE, INT8}
+            assert torch.equal(narrow(x, relu=relu), reference(narrow, x))
+            assert set(narrow.weight_cache) == {INT8}
+        unscoped = wide(x, relu=relu)  # quantized at the call, the same values
+        expected, expected_few = reference(wide, x), reference(wide, x[: WIDE_ROWS - 1])
+    assert torch.equal(few, expected_few) and torch.equal(unscoped, got)
+    ulp = torch.finfo(torch.float32).eps * expected.abs().max()
+    assert (got - expected).abs().max() <= 2 * ulp
 
 
 @int8_here
