@@ -138,6 +138,7 @@ def test_vnni_is_what_the_cpu_lists():
     assert cpu_has_vnni() == bool({"avx512_vnni", "amx_int8"} & cpu_flags())
 
 
+@int8_here
 @pytest.mark.skipif(not cpu_has_vnni(), reason="oneDNN's u8s8 kernel runs on VNNI CPUs only")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.ao's, for the reference
 @pytest.mark.parametrize("relu", [False, True])
