@@ -293,6 +293,16 @@ def load_served(
 # -- the batching queue ---------------------------------------------------------------------
 
 
+def serving_workers(workers: int | None, device: torch.device) -> int:
+    """The decoding threads of a server (`--workers`, else as many as `nmt translate` runs)."""
+    return workers or decode_workers(0, device, 1 << 30)
+
+
+def worker_threads(workers: int) -> int:
+    """Each decoding thread's share of the calling thread's torch threads."""
+    return max(1, torch.get_num_threads() // workers)
+
+
 @dataclass
 class Job:
     """One request's sentences in the queue: results fill in as they are decoded."""
@@ -396,7 +406,7 @@ class Batcher:
         threads (the process' count is left as it was), and their decoding processes (loaded
         when this returns; `NMTError` when one cannot start)."""
         before = torch.get_num_threads()
-        threads = max(1, before // self.workers)
+        threads = worker_threads(self.workers)
         if self.loads:  # started one after the other: loading takes both cores
             try:
                 for _ in range(self.workers):
@@ -802,7 +812,7 @@ class ServerState:
         self.models = {m.name: m for m in models}
         self.default = models[0].name
         devices = {m.device for m in models}
-        workers = self.settings.workers or decode_workers(0, next(iter(devices)), 1 << 30)
+        workers = serving_workers(self.settings.workers, next(iter(devices)))
         s = self.settings
         loads = [
             Load.of(m.name, m.engine)  # nmt's own engine on CPU: what a child can load

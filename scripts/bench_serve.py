@@ -285,15 +285,14 @@ def alone(args: argparse.Namespace, sentences: list[str]) -> dict[int, dict[str,
     import torch
 
     from nmt.decode_process import DecodeProcess, Load
-    from nmt.serve import DecodeRequest, load_served, model_specs
-    from nmt.translate import decode_workers
+    from nmt.serve import DecodeRequest, load_served, model_specs, serving_workers, worker_threads
 
     bu.setup_torch(2)
     cpu = torch.device("cpu")
     served = load_served(model_specs([args.run])[0], cpu, args.precision)
     opts = served.options(DecodeRequest(beam=args.beam), args.beam)  # a {"beam": B} request's
-    workers = args.workers or decode_workers(0, cpu, 1 << 30)
-    threads = max(1, torch.get_num_threads() // workers)
+    workers = serving_workers(args.workers, cpu)
+    threads = worker_threads(workers)
     children = []
     try:
         for _ in range(workers):
