@@ -8,8 +8,6 @@ import io
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nmt.models.base import (
     CACHE_LENGTHS,
@@ -36,7 +34,6 @@ from nmt.models.layers import (
     softmax,
 )
 from nmt.models.registry import build_model
-from nmt.models.transformer import attend
 from nmt.special import BOS_ID, PAD_ID
 
 V = 37
@@ -596,52 +593,6 @@ def test_attention_softmax_equals_torch_softmax(size):
     )
     torch.testing.assert_close(leaf.grad, grad[0], atol=1e-6, rtol=1e-5)
     assert softmax(torch.zeros(0, size)).shape == (0, size)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_training_attention_in_bf16_is_attention_within_bf16_rounding(causal):
-    """With autograd on CPU in bf16, `attend` runs `attend_train` (bf16 products, fp32
-    softmax): outputs and gradients within bf16 rounding of fp32 attention, masked and future
-    keys without any influence, dropout drawn from the default generator; without autograd
-    (decoding, scoring) it is SDPA's math kernel as before, bit for bit."""
-    g = torch.Generator().manual_seed(7)
-    b, h, t, dh = 3, 4, 9, 16
-    q, k, v = (torch.randn(b, h, t, dh, generator=g).bfloat16() for _ in range(3))
-    mask = torch.ones(b, 1, 1, t, dtype=torch.bool)
-    mask[0, ..., 6:] = False  # padding of the first sentence
-    m = None if causal else mask
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = attend(*leaves, m, causal)
-    weight = torch.randn(out.shape, generator=g)
-    grads = torch.autograd.grad((out.float() * weight).sum(), leaves)
-    ref_leaves = [x.float().requires_grad_() for x in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*ref_leaves, attn_mask=m, is_causal=causal)
-    ref_grads = torch.autograd.grad((ref * weight).sum(), ref_leaves)
-    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
-    torch.testing.assert_close(out.float(), ref, atol=0.03, rtol=0.03)
-    for grad, ref_grad in zip(grads, ref_grads):
-        assert grad.dtype == torch.bfloat16
-        torch.testing.assert_close(grad.float(), ref_grad, atol=0.06, rtol=0.05)
-    # keys a query may not see change nothing it gets
-    k2, v2 = k.clone(), v.clone()
-    if causal:
-        k2[..., 5:, :], v2[..., 5:, :] = 9.0, -9.0
-        seen = (slice(None), slice(None), slice(0, 5))  # queries 0-4 see keys 0-4
-    else:
-        k2[0, ..., 6:, :], v2[0, ..., 6:, :] = 9.0, -9.0
-        seen = (slice(None),)
-    out2 = attend(leaves[0], k2.requires_grad_(), v2.requires_grad_(), m, causal)
-    assert torch.equal(out2[seen], out[seen])
-    # attention dropout: reproducible from the seed, and the p = 0 path is dropout-free
-    torch.manual_seed(5)
-    dropped = attend(*leaves, m, causal, dropout=0.5)
-    torch.manual_seed(5)
-    assert torch.equal(attend(*leaves, m, causal, dropout=0.5), dropped)
-    assert not torch.equal(dropped, out)
-    with torch.no_grad():  # decoding and scoring: SDPA's math kernel, unchanged
-        with sdpa_kernel(SDPBackend.MATH):
-            sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal)
-        assert torch.equal(attend(*leaves, m, causal), sdpa)
 
 
 def test_cpu_dropout_rate_next_to_one_keeps_a_finite_scale():

@@ -39,20 +39,6 @@ class Embedding(nn.Module):
         return self.table(ids) * self.scale  # [..., D]
 
 
-def dropout(x: Tensor, p: float) -> Tensor:
-    """Training-time inverted dropout of x with probability p (see `Dropout`)."""
-    if p == 0.0:
-        return x
-    if x.device.type != "cpu":
-        return F.dropout(x, p, training=True)
-    n = x.numel()
-    # 16-bit values below -32768 + dropped are dropped; at least one value of 65536 is kept
-    dropped = min(round(p * 65536), 65535)
-    bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
-    keep = bits.view(torch.int16)[:n].view(x.shape) >= dropped - 32768
-    return (x * keep).mul_(65536 / (65536 - dropped))  # one rounding, as F.dropout
-
-
 class Dropout(nn.Module):
     """Inverted dropout: zero each element with probability p, scale the rest by 1/(1-p).
 
@@ -69,7 +55,16 @@ class Dropout(nn.Module):
         self.p = p
 
     def forward(self, x: Tensor) -> Tensor:
-        return dropout(x, self.p) if self.training else x
+        if not self.training or self.p == 0.0:
+            return x
+        if x.device.type != "cpu":
+            return F.dropout(x, self.p, training=True)
+        n = x.numel()
+        # 16-bit values below -32768 + dropped are dropped; at least one value of 65536 is kept
+        dropped = min(round(self.p * 65536), 65535)
+        bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
+        keep = bits.view(torch.int16)[:n].view(x.shape) >= dropped - 32768
+        return (x * keep).mul_(65536 / (65536 - dropped))  # one rounding, as F.dropout
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

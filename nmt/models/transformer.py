@@ -37,15 +37,7 @@ from nmt.models.base import (
     round_up,
     source_state,
 )
-from nmt.models.layers import (
-    Dropout,
-    Embedding,
-    Linear,
-    OutputProjection,
-    Positions,
-    dropout,
-    softmax,
-)
+from nmt.models.layers import Dropout, Embedding, Linear, OutputProjection, Positions, softmax
 
 
 def attend(
@@ -60,11 +52,9 @@ def attend(
 
     On CPU in reduced precision, SDPA's flash kernel is several times slower than its math
     kernel at translation lengths (measured 114 ms vs 30 ms fwd+bwd for [461,4,13,64] bf16),
-    so the math backend is chosen there, and in training `attend_train`.
+    so the math backend is chosen there.
     """
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
-        if torch.is_grad_enabled() and q.requires_grad:
-            return attend_train(q, k, v, mask, causal, dropout)
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal
@@ -72,29 +62,6 @@ def attend(
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal
     )
-
-
-def attend_train(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, p: float
-) -> Tensor:
-    """`attend` for training on CPU in bf16 (or fp16): QKᵀ and the weighted sum of V as bf16
-    products (fp32 accumulation inside oneDNN), the softmax in fp32, as `attend_step` decodes.
-
-    SDPA's math kernel, the one fit for these lengths on CPU, converts q, k and v to fp32 and
-    multiplies in fp32; its copies and fp32 products took 6.5% of a bf16 training step of the
-    transformer recipe (per-batch medians, the two alternating step by step over 16 batches).
-    Here the scores are rounded to bf16 before the softmax (fairseq's and Hugging Face's
-    eager attention under autocast do the same); the weights' dropout (p) is `dropout`'s.
-    """
-    t, s = q.size(2), k.size(2)
-    scores = torch.matmul(q * q.size(-1) ** -0.5, k.transpose(-1, -2))  # [B,H,T,S]
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    if causal:
-        future = torch.ones(t, s, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    weights = softmax(scores, torch.float32).to(q.dtype)
-    return torch.matmul(dropout(weights, p), v)  # [B,H,T,S] @ [B,H,S,Dh]
 
 
 def attend_step(
