@@ -75,10 +75,14 @@ class Load:
     device: str
     precision: str
     fingerprint: str
+    compile: bool = False  # decode through compiled code, warmed up before "ready"
+    warm_up: SearchOptions | None = None  # ... with these settings
 
     @classmethod
-    def of(cls, name: str, engine) -> Load:
-        """How a child loads `engine` (an `NMTEngine` the server loaded) under `name`."""
+    def of(cls, name: str, engine, warm_up: SearchOptions | None = None) -> Load:
+        """How a child loads `engine` (an `NMTEngine` the server loaded) under `name`; with
+        `warm_up`, through compiled code (`nmt.engine.compile_decoding`), which the child
+        compiles by decoding made-up sentences with those settings before it is ready."""
         return cls(
             name,
             engine.checkpoints[0],
@@ -86,6 +90,8 @@ class Load:
             str(engine.device),
             engine.precision,
             fingerprint(engine),
+            warm_up is not None,
+            warm_up,
         )
 
 
@@ -258,7 +264,11 @@ def _child(conn, loads: list[Load], threads: int) -> None:
             engines = {}
             for load in loads:
                 engine = open_engine(
-                    [load.checkpoint], load.engine, torch.device(load.device), load.precision
+                    [load.checkpoint],
+                    load.engine,
+                    torch.device(load.device),
+                    load.precision,
+                    compile=load.compile,
                 )
                 if fingerprint(engine) != load.fingerprint:
                     raise DecodeProcessError(
@@ -266,6 +276,8 @@ def _child(conn, loads: list[Load], threads: int) -> None:
                         f"{load.name} changed after the server loaded them; start the server "
                         "again"
                     )
+                if load.warm_up is not None:
+                    engine.warm_up(load.warm_up)
                 held.enter_context(engine.held())
                 engines[load.name] = engine
         except BaseException as e:  # noqa: BLE001 - told to the server, which stops

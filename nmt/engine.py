@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -47,7 +48,7 @@ import torch
 from nmt import NMTError
 from nmt.config import Config
 from nmt.data.tokenizer import Tokenizer
-from nmt.device import autocast, resolve_precision
+from nmt.device import INT8, autocast, resolve_precision
 from nmt.models.base import fixed_weights
 from nmt.search import BeamStream, Hypothesis, SearchOptions, length_limits, length_penalty
 from nmt.special import EOS_ID
@@ -61,6 +62,7 @@ from nmt.translate import (
 )
 
 ENGINES = ("nmt", "ctranslate2")
+WARM_UP = (3, 11, 6, 20, 1, 15, 8, 30, 4)  # words of `NMTEngine.warm_up`'s sentences
 
 # (text, hypothesis) per hypothesis, best first: an engine's n-best list of one line
 NBest = list[tuple[str, Hypothesis]]
@@ -127,6 +129,7 @@ class NMTEngine:
     checkpoints: list[Path]
     arch: str
     facts: dict[str, Any]
+    compiled: bool = False  # decodes through compiled code (`compile_decoding`)
     name: str = "nmt"
 
     def check(self, opts: SearchOptions) -> None:
@@ -160,6 +163,27 @@ class NMTEngine:
 
     def stream(self, opts: SearchOptions) -> NMTStream:
         return NMTStream(self, opts)
+
+    def warm_up(self, opts: SearchOptions) -> None:
+        """Decode made-up sentences with `opts` as a server's running batch does, so that
+        compiled code (`compiled`) makes its graphs now rather than during the first requests:
+        batches of several and one sentence alone (a batch of one, and a step of one
+        hypothesis per sentence, make graphs of their own), then sentences joining one at a
+        time and leaving. Test sentences streamed after it make no graph more (tests)."""
+        words = "the man in a red shirt is riding his bike down the street near two dogs".split()
+        lines = [" ".join(itertools.islice(itertools.cycle(words), n)) for n in WARM_UP]
+        with self.held():
+            stream = self.stream(opts)
+            for group in (lines[:3], lines[:1], lines[3:6]):  # batches, then one alone
+                stream.add(group, list(range(len(group))))
+                while len(stream):
+                    stream.step()
+            todo = list(enumerate(lines))
+            while todo or len(stream):
+                if todo:
+                    (i, line), todo = todo[0], todo[1:]
+                    stream.add([line], [i])
+                stream.step()
 
 
 class NMTStream:
@@ -399,16 +423,43 @@ class CT2Engine:
         return out
 
 
+def check_compile(model: torch.nn.Module, arch: str, precision: str) -> list[torch.nn.Module]:
+    """The models `compile_decoding` compiles (an ensemble's members), or `NMTError` where
+    it cannot."""
+    if precision == INT8:
+        raise NMTError(
+            "--compile compiles fp32 and bf16 decoding, not int8's quantized kernels: "
+            "drop --compile or choose another --precision"
+        )
+    members = list(getattr(model, "members", [model]))
+    if not all(hasattr(m, "compile_decoding") for m in members):
+        raise NMTError(
+            f"--compile compiles the transformer's decoding; {arch} decodes as it is: "
+            "drop --compile"
+        )
+    return members
+
+
+def compile_decoding(model: torch.nn.Module, arch: str, precision: str) -> None:
+    """Make `model` (loaded to decode: its weights no longer change) decode through compiled
+    code (`nmt.models.transformer.Transformer.compile_decoding`; an ensemble's members each),
+    or raise `NMTError` where it cannot."""
+    for m in check_compile(model, arch, precision):
+        m.compile_decoding()
+
+
 def open_engine(
     paths: list[Path],
     engine: str,
     device: torch.device,
     precision: str | None = None,
     quantization: str | None = None,
+    compile: bool = False,
 ) -> Engine:
     """The `engine` decoder of run directories or checkpoints: nmt (their model on `device`,
-    an ensemble for several, in `precision` or the run's decode.precision) or ctranslate2 (the
-    one run's export in `quantization`, float32 by default)."""
+    an ensemble for several, in `precision` or the run's decode.precision, through compiled
+    code with `compile` (`compile_decoding`)) or ctranslate2 (the one run's export in
+    `quantization`, float32 by default)."""
     if engine not in ENGINES:
         raise NMTError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
     if engine == "nmt":
@@ -419,6 +470,8 @@ def open_engine(
             )
         loaded = load_models(paths, device)
         prec = resolve_precision(precision or loaded.config.decode.precision, device, decoding=True)
+        if compile:
+            compile_decoding(loaded.model, loaded.arch, prec)
         checkpoints = [m.checkpoint for m in loaded.members] or [loaded.checkpoint]
         return NMTEngine(
             loaded.model,
@@ -430,6 +483,7 @@ def open_engine(
             checkpoints,
             loaded.arch,
             model_facts(loaded.model, loaded.payload.get("progress", {})),
+            compiled=compile,
         )
     if len(paths) > 1:
         raise NMTError(
@@ -437,6 +491,8 @@ def open_engine(
         )
     path = paths[0]
     if engine == "ctranslate2":
+        if compile:
+            raise NMTError("--compile compiles nmt's own decoding: drop it or --engine")
         if precision is not None:
             raise NMTError(
                 "--precision sets nmt's own decoding; CTranslate2 computes in its "

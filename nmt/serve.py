@@ -58,7 +58,7 @@ from nmt import NMTError, __version__, config, first_line
 from nmt.config import Config
 from nmt.decode_process import DecodeProcess, DecodeProcessError, Load
 from nmt.device import resolve_precision
-from nmt.engine import ENGINES, Engine, NMTEngine, open_engine
+from nmt.engine import ENGINES, Engine, NMTEngine, check_compile, open_engine
 from nmt.search import SearchOptions
 from nmt.translate import attention_of, decode_workers, search_options, translate_lines
 
@@ -88,6 +88,9 @@ class ServeSettings:
     # each decoding thread runs the searches of nmt's own engine on CPU in a child process
     # (`nmt.decode_process`); `nmt serve` does unless --threads
     processes: bool = False
+    # the decoding processes decode through compiled code (`nmt.engine.compile_decoding`),
+    # compiled before the server is ready by decoding made-up sentences (`NMTEngine.warm_up`)
+    compile: bool = False
     max_lines: int = 100  # lines per request
     max_body_bytes: int = 1 << 20  # request body
     max_beam: int = 32  # larger beams make one request cost as much as hundreds
@@ -260,11 +263,13 @@ def load_served(
     engine: str = "nmt",
     quantization: str | None = None,
     decode: tuple[str, ...] = (),
+    compiled_in_child: bool = False,
 ) -> ServedModel:
     """Load a model to serve (`nmt.engine.open_engine`): its engine, precision (`precision`
     or its decode.precision; CTranslate2's `quantization`), default decode settings (the
     run's with `decode` overrides on top, checked for the engine now rather than at the first
-    request), line limit and whether it has attention."""
+    request), line limit and whether it has attention. With `compiled_in_child`, the decoding
+    processes will decode it through compiled code (`NMTError` now if they cannot)."""
     opened = open_engine([spec.path], engine, device, precision, quantization)
     served = ServedModel(
         name=spec.name,
@@ -278,6 +283,8 @@ def load_served(
         served.options(DecodeRequest(), 1 << 30)
     except NMTError as e:
         raise NMTError(f"model {spec.name}: {e}") from None
+    if compiled_in_child:  # can the children compile it?
+        check_compile(opened.model, opened.arch, opened.precision)  # type: ignore[attr-defined]
     served.info = {
         "name": spec.name,
         **model_info(opened),
@@ -291,6 +298,12 @@ def load_served(
 
 
 # -- the batching queue ---------------------------------------------------------------------
+
+
+def in_child(settings: ServeSettings, device: torch.device) -> bool:
+    """Whether nmt's own engine on `device` decodes in the decoding threads' child processes
+    (`nmt.decode_process`) rather than in the server's."""
+    return settings.processes and device.type == "cpu"
 
 
 def serving_workers(workers: int | None, device: torch.device) -> int:
@@ -814,10 +827,10 @@ class ServerState:
         devices = {m.device for m in models}
         workers = serving_workers(self.settings.workers, next(iter(devices)))
         s = self.settings
-        loads = [
-            Load.of(m.name, m.engine)  # nmt's own engine on CPU: what a child can load
+        loads = [  # nmt's own engine on CPU: what a child can load
+            Load.of(m.name, m.engine, m.options(DecodeRequest(), 1 << 30) if s.compile else None)
             for m in models
-            if s.processes and isinstance(m.engine, NMTEngine) and m.device.type == "cpu"
+            if in_child(s, m.device) and isinstance(m.engine, NMTEngine)
         ]
         self.batcher = Batcher(s.max_batch_tokens, s.max_wait_ms, workers, loads).start()
         self.ready.set()
@@ -1214,6 +1227,13 @@ def serve(
         raise NMTError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
     if precision is not None:
         resolve_precision(precision, device, decoding=True)
+    if settings.compile and engine != "nmt":
+        raise NMTError("--compile compiles nmt's own decoding: drop it or --engine")
+    if settings.compile and not in_child(settings, device):
+        raise NMTError(
+            "--compile compiles the code of the decoding processes, which search on CPU: "
+            + ("drop --threads" if device.type == "cpu" else f"drop --compile on {device.type}")
+        )
     sock = listening_socket(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     server: uvicorn.Server | None = None
@@ -1223,8 +1243,10 @@ def serve(
             server.should_exit = True
 
     app = create_app(
-        lambda: [
-            load_served(spec, device, precision, engine, quantization, settings.decode)
+        lambda: [  # with --compile, checked here and compiled by the decoding processes
+            load_served(
+                spec, device, precision, engine, quantization, settings.decode, settings.compile
+            )
             for spec in specs
         ],
         settings,

@@ -89,6 +89,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--threads", action="store_true", help="nmt serve --threads: search in the server's process"
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="nmt serve --compile (and --alone's decoding processes compiled); the offline "
+        "baseline stays `nmt translate`",
+    )
     p.add_argument("--offline-repeats", type=int, default=3)
     p.add_argument("--no-offline", action="store_true", help="skip the offline baseline")
     p.add_argument(
@@ -127,8 +133,10 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
             cmd += [flag, str(value)]
     if args.threads:
         cmd.append("--threads")
+    if args.compile:
+        cmd.append("--compile")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + (1800 if args.compile else 180)  # compiling: minutes
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with {proc.returncode}:\n{proc.stderr.read()}")
@@ -139,7 +147,7 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
             pass
         time.sleep(0.2)
     proc.kill()
-    raise SystemExit("the server was not ready within 180 s")
+    raise SystemExit(f"the server was not ready within {1800 if args.compile else 180} s")
 
 
 async def post(reader, writer, body: bytes) -> tuple[int, bytes]:
@@ -296,7 +304,8 @@ def alone(args: argparse.Namespace, sentences: list[str]) -> dict[int, dict[str,
     children = []
     try:
         for _ in range(workers):
-            children.append(DecodeProcess([Load.of("model", served.engine)], threads).start())
+            load = Load.of("model", served.engine, opts if args.compile else None)
+            children.append(DecodeProcess([load], threads).start())
         feed(children, opts, sentences[:32], 8, args.seconds)  # warm-up
         rows = {}
         for clients in args.clients:

@@ -29,10 +29,10 @@ from conftest import tiny_run
 from fastapi.testclient import TestClient
 from test_translate_cli import FP32, PNG_MAGIC, nmt_cli, ok, one_line_error, read_gz_lines
 
-from nmt import checkpoint
+from nmt import NMTError, checkpoint
 from nmt.decode_process import DecodeProcess, DecodeProcessError, Load
 from nmt.models.base import count_parameters
-from nmt.serve import ModelSpec, ServeSettings, create_app, load_served
+from nmt.serve import ModelSpec, ServeSettings, create_app, load_served, serve
 from nmt.translate import load_model, search_options, translate_lines
 
 CPU = torch.device("cpu")
@@ -637,8 +637,9 @@ def get(url: str, timeout: float = 30) -> httpx.Response:
 
 
 @contextlib.contextmanager
-def nmt_server(*args, ready: bool = True):
-    """`nmt serve ARGS --port P` in a subprocess: (process, base URL) once /ready says 200."""
+def nmt_server(*args, ready: bool = True, within: float = 120):
+    """`nmt serve ARGS --port P` in a subprocess: (process, base URL) once /ready says 200
+    (in `within` seconds)."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "nmt", "serve", *map(str, args), "--port", str(port)],
@@ -650,13 +651,13 @@ def nmt_server(*args, ready: bool = True):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + within
         while ready:
             assert proc.poll() is None, proc.communicate()[1]
             with contextlib.suppress(httpx.TransportError):
                 if get(f"{url}/ready", timeout=2).status_code == 200:
                     break
-            assert time.monotonic() < deadline, "the server was not ready in 120 s"
+            assert time.monotonic() < deadline, f"the server was not ready in {within} s"
             time.sleep(0.1)
         yield proc, url
     finally:
@@ -838,6 +839,9 @@ def test_serve_command_errors(runs, tmp_path):
     assert "unknown precision 'fp64'" in one_line_error(
         nmt_cli("serve", runs["tiny"], "--precision", "fp64")
     )
+    assert "drop --threads" in one_line_error(
+        nmt_cli("serve", runs["tiny"], "--compile", "--threads")
+    )
     assert "two models are called 'x'" in one_line_error(
         nmt_cli("serve", f"x={runs['tiny']}", f"x={runs['s2s']}")
     )
@@ -937,3 +941,39 @@ def test_the_page_translates_and_draws_the_attention(browser, server, english, a
     page.wait_for_function("document.getElementById('error').textContent.length > 0")
     assert "decode.nbest" in page.inner_text("#error")
     page.close()
+
+
+def test_compile_is_checked_by_the_server_and_done_by_its_children(runs, served):
+    """`nmt serve --compile`: the server checks that its decoding processes can compile the
+    model before it starts them (a seq2seq cannot, nor int8 decoding, nor the CTranslate2
+    engine, nor searches in the server's threads), and hands them the compiling with the
+    model's default search settings to warm up with."""
+    with pytest.raises(NMTError, match="seq2seq decodes as it is"):
+        load_served(ModelSpec("s2s", runs["s2s"]), CPU, "fp32", compiled_in_child=True)
+    with pytest.raises(NMTError, match="not int8"):
+        load_served(ModelSpec("tiny", runs["tiny"]), CPU, "int8", compiled_in_child=True)
+    opts = search_options(served[0].config.decode)
+    plain, compiled = Load.of("tiny", served[0].engine), Load.of("tiny", served[0].engine, opts)
+    assert (plain.compile, plain.warm_up) == (False, None)
+    assert (compiled.compile, compiled.warm_up) == (True, opts)
+    settings = ServeSettings(compile=True, processes=True)
+    with pytest.raises(NMTError, match="nmt's own decoding"):
+        serve([ModelSpec("tiny", runs["tiny"])], settings, "127.0.0.1", 0, CPU, None, "ctranslate2")
+    threads = ServeSettings(compile=True)
+    with pytest.raises(NMTError, match="drop --threads"):
+        serve([ModelSpec("tiny", runs["tiny"])], threads, "127.0.0.1", 0, CPU, None)
+
+
+def test_serve_compile_translates_as_eager_decoding(runs, english, alone):
+    """`nmt serve --compile` end to end: its decoding process compiles the tiny transformer
+    (warming up on made-up sentences) before the server says ready; then 16 clients at once,
+    one sentence each, get what eager decoding gives them (fp32), decoded together."""
+    with nmt_server(runs["tiny"], *FP32, "--compile", "--workers", "1", within=900) as (_, url):
+        before = get(f"{url}/stats").json()
+        answers = post_all(url, [{"text": line} for line in english[:16]])
+        for line, answer in zip(english, answers):
+            assert answer.status_code == 200, answer.text
+            assert texts(answer.json()) == [alone(line)[0]]
+        after = get(f"{url}/stats").json()
+        assert after["sentences"] - before["sentences"] == 16
+        assert after["batches"] - before["batches"] < 16

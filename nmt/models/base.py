@@ -235,6 +235,26 @@ def extend_ragged_cache(
     return out
 
 
+def grow_cache(cache: Tensor, rows: Tensor, new: Tensor, lengths: Tensor, dim: int) -> Tensor:
+    """`extend_ragged_cache` as `torch.compile` takes it into one graph for every step: the
+    cache's rows `rows` (NO_ROW: zeros), each row's `new` entry written at its `lengths`, in a
+    cache already of the step's size (`fit_cache`), with nothing read back to the host (which
+    rows have none, how far the rows fill). The same values."""
+    kept = cache.index_select(0, rows.clamp(min=0))
+    grown = kept * (rows != NO_ROW).to(kept.dtype).view(-1, *[1] * (cache.dim() - 1))
+    at = (torch.arange(rows.size(0), device=rows.device), lengths)  # (row, position)
+    grown.movedim(dim, 1)[at] = new.select(dim, 0)  # a view of grown: written in place
+    return grown
+
+
+def fit_cache(cache: Tensor, size: int, dim: int) -> Tensor:
+    """The cache with `size` positions along `dim`, contiguous: cut (past the longest row's
+    length all is zeros) or padded with zeros."""
+    if cache.size(dim) > size:
+        return cache.narrow(dim, 0, size).contiguous()
+    return pad_end(cache, dim, size)
+
+
 def pad_end(x: Tensor, dim: int, size: int) -> Tensor:
     """x padded at the end of `dim` to `size` with zeros (False for masks)."""
     if x.size(dim) >= size:

@@ -105,8 +105,9 @@ def packed_dtype(x: Tensor) -> torch.dtype | str | None:
     """How a linear map of x runs: `INT8` inside `int8_linears` (CPU inference), else the dtype
     in which it can run on a packed weight: CPU inference (no autograd) in fp32, or in bf16
     (autocast's dtype or x's) on CPUs with native bf16. None elsewhere (training, CUDA, no
-    oneDNN), where `F.linear` runs as usual."""
-    if x.device.type != "cpu" or torch.is_grad_enabled():
+    oneDNN, code `torch.compile` traces: inductor packs weights itself), where `F.linear`
+    runs as usual."""
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or torch.is_grad_enabled():
         return None
     if getattr(_int8, "on", False):
         return INT8
@@ -479,7 +480,7 @@ def softmax(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     transposed rows, which is vectorized across rows (1 thread; 1280 rows of 20: 55 vs 70 us,
     so only short rows take that way). Same values up to rounding (< 1.2e-7 apart)."""
     size = x.size(-1)
-    if x.device.type != "cpu" or size >= 16 or x.numel() == 0:
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or size >= 16 or x.numel() == 0:
         return torch.softmax(x, -1, dtype=dtype)
     across = torch.softmax(x.reshape(-1, size).t(), 0, dtype=dtype)  # [S, rows]
     return across.t().contiguous().view(x.shape)
