@@ -334,15 +334,20 @@ def test_compiled_decoding_warms_up_then_searches_as_eager_without_compiling(req
     cache yet, a batch down to one sentence), in beam search with an n-best and in greedy
     search, make no graph more (a recompile is an error here: under a server's load it held
     requests for tens of seconds) and find what eager decoding finds, up to rounding."""
+    import contextlib
+
     import torch.fx.experimental._config as shapes
     from torch._dynamo.utils import counters
     from torch._inductor import config as inductor
 
     from nmt.engine import open_engine
+    from nmt.models.transformer import INDUCTOR, SHAPES
 
     run_dir, _ = tiny_run("transformer", STEPS["transformer"])
-    saved = [(m, m.save_config()) for m in (inductor, shapes, torch._dynamo.config)]
-    request.addfinalizer(lambda: [m.load_config(c) for m, c in saved])  # process settings
+    settings = contextlib.ExitStack()  # the process' settings compile_decoding sets, restored
+    for config, keys in ((inductor, INDUCTOR), (shapes, SHAPES)):
+        settings.enter_context(config.patch({k: getattr(config, k) for k in keys}))
+    request.addfinalizer(settings.close)
     before = counters["stats"]["unique_graphs"]
     compiled = open_engine([run_dir], "nmt", CPU, "fp32", compile=True)
     eager = open_engine([run_dir], "nmt", CPU, "fp32")
