@@ -75,8 +75,12 @@ class Load:
     device: str
     precision: str
     fingerprint: str
-    compile: bool = False  # decode through compiled code, warmed up before "ready"
-    warm_up: SearchOptions | None = None  # ... with these settings
+    warm_up: SearchOptions | None = None  # compiled, warmed up with these before "ready"
+
+    @property
+    def compile(self) -> bool:
+        """Whether the child decodes through compiled code (`warm_up` given)."""
+        return self.warm_up is not None
 
     @classmethod
     def of(cls, name: str, engine, warm_up: SearchOptions | None = None) -> Load:
@@ -90,7 +94,6 @@ class Load:
             str(engine.device),
             engine.precision,
             fingerprint(engine),
-            warm_up is not None,
             warm_up,
         )
 

@@ -129,7 +129,6 @@ class NMTEngine:
     checkpoints: list[Path]
     arch: str
     facts: dict[str, Any]
-    compiled: bool = False  # decodes through compiled code (`compile_decoding`)
     name: str = "nmt"
 
     def check(self, opts: SearchOptions) -> None:
@@ -166,8 +165,8 @@ class NMTEngine:
 
     def warm_up(self, opts: SearchOptions) -> None:
         """Decode made-up sentences with `opts` as a server's running batch does, so that
-        compiled code (`compiled`) makes its graphs now rather than during the first requests:
-        batches of several and one sentence alone (a batch of one, and a step of one
+        compiled code (`compile_decoding`) makes its graphs now rather than during the first
+        requests: batches of several and one sentence alone (a batch of one, and a step of one
         hypothesis per sentence, make graphs of their own), then sentences joining one at a
         time and leaving. Test sentences streamed after it make no graph more (tests)."""
         words = "the man in a red shirt is riding his bike down the street near two dogs".split()
@@ -178,11 +177,10 @@ class NMTEngine:
                 stream.add(group, list(range(len(group))))
                 while len(stream):
                     stream.step()
-            todo = list(enumerate(lines))
-            while todo or len(stream):
-                if todo:
-                    (i, line), todo = todo[0], todo[1:]
-                    stream.add([line], [i])
+            for i, line in enumerate(lines):
+                stream.add([line], [i])
+                stream.step()
+            while len(stream):
                 stream.step()
 
 
@@ -483,7 +481,6 @@ def open_engine(
             checkpoints,
             loaded.arch,
             model_facts(loaded.model, loaded.payload.get("progress", {})),
-            compiled=compile,
         )
     if len(paths) > 1:
         raise NMTError(

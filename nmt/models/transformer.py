@@ -478,10 +478,9 @@ class Transformer(nn.Module):
                     past = (positions <= lengths[:, None])[:, None, None, :]  # [N,1,1,t']
                 else:  # every row fills the same positions: one write for all, one mask
                     lengths, past = None, (positions <= longest)[None, None, None, :]
-                write = lengths
 
                 def extend(cache: Tensor, new: Tensor) -> Tensor:
-                    return extend_ragged_cache(cache, rows, new, write, size, 2, longest, empty)
+                    return extend_ragged_cache(cache, rows, new, lengths, size, 2, longest, empty)
 
                 logits, weights, caches = self.decode_layers(
                     x, caches, sources, keys_mask, extend, past
