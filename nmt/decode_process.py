@@ -47,7 +47,9 @@ from nmt.search import SearchOptions
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 600.0  # loading a model: seconds; a child silent this long is stuck
+# loading: a child silent this long is stuck (one compiling warms up step by step, and says so
+# at every step: its longest silence is one graph's compiling)
+START_TIMEOUT_S = 600.0
 SIGNALS = {signal.SIGINT, signal.SIGTERM}  # the server's to act on, not its children's
 
 
@@ -113,6 +115,11 @@ class DecodeProcess:
         self._process: Any = None
         self._ids = itertools.count()
         self.started = 0  # children started: 1, or more after a child died
+        # graphs its children compiled after they were ready (`nmt.engine.compiled_graphs`):
+        # with --compile, each held a running batch while it compiled
+        self.graphs_while_serving = 0
+        self._graphs_at_ready: int | None = None  # the current child's count when ready
+        self._graphs_late = 0  # ... and how many it has made since
 
     def start(self) -> DecodeProcess:
         """Start the child and wait until it has loaded its models (`DecodeProcessError`
@@ -135,13 +142,17 @@ class DecodeProcess:
         child.close()
         self._conn, self._process = parent, process
         self.started += 1
+        self._graphs_at_ready, self._graphs_late = None, 0
         _open.add(self)
         try:
-            if not parent.poll(START_TIMEOUT_S):
-                raise DecodeProcessError(
-                    f"the decoding process did not start in {START_TIMEOUT_S:g} s"
-                )
-            self._answer(parent)  # "ready", or its error
+            while True:  # "loading" (a warm-up step), then "ready", or its error
+                if not parent.poll(START_TIMEOUT_S):
+                    raise DecodeProcessError(
+                        f"the decoding process said nothing for {START_TIMEOUT_S:g} s while "
+                        "it loaded"
+                    )
+                if self._receive(parent)[0] == "ready":
+                    break
         except BaseException:
             self.close()
             raise
@@ -182,13 +193,37 @@ class DecodeProcess:
         return self._answer(conn)
 
     def _answer(self, conn) -> Any:
+        return self._receive(conn)[1]
+
+    def _receive(self, conn) -> tuple[str, Any]:
+        """The child's next message: (kind, value), or its error raised."""
         try:
-            kind, value = conn.recv()
+            kind, value, graphs = conn.recv()
         except (EOFError, OSError):
             raise self._ended() from None
+        self.count_graphs(kind, graphs)
         if kind == "error":
             raise DecodeProcessError(value)
-        return value
+        return kind, value
+
+    def count_graphs(self, kind: str, graphs: int) -> None:
+        """Take note of the graphs the child has compiled since it started (every answer says
+        how many): those before "ready" are its warm-up's; one more after it held a running
+        batch for as long as it compiled (tens of seconds on a 2-core CPU), and is logged."""
+        if kind == "ready":
+            self._graphs_at_ready = graphs
+        if self._graphs_at_ready is None:  # an error before it was ready
+            return
+        late = graphs - self._graphs_at_ready
+        if late > self._graphs_late:
+            self.graphs_while_serving += late - self._graphs_late
+            self._graphs_late = late
+            log.warning(
+                "decoding process %s compiled a graph while serving (%d since it was ready): "
+                "its batch waited for it; the warm-up met no batch of that shape",
+                self.pid,
+                late,
+            )
 
     def _ended(self) -> DecodeProcessError:
         process = self._process
@@ -252,14 +287,22 @@ def _child(conn, loads: list[Load], threads: int) -> None:
     for signum in SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
-    from nmt.engine import open_engine
+    from nmt.engine import compiled_graphs, open_engine
 
     def send(reply: tuple) -> bool:
+        """Send (kind, value) and the count of graphs compiled so far, which the server
+        follows (`DecodeProcess.count_graphs`)."""
+        reply = (*reply, compiled_graphs())
         try:
             conn.send(reply)
         except OSError:  # the server is gone
             return False
         return True
+
+    def loading() -> None:
+        """A step of a warm-up done: said to the server, which waits (or has gone: stop)."""
+        if not send(("loading", None)):
+            raise SystemExit(0)
 
     torch.set_num_threads(threads)
     with contextlib.ExitStack() as held:
@@ -280,7 +323,7 @@ def _child(conn, loads: list[Load], threads: int) -> None:
                         "again"
                     )
                 if load.warm_up is not None:
-                    engine.warm_up(load.warm_up)
+                    engine.warm_up(load.warm_up, loading)
                 held.enter_context(engine.held())
                 engines[load.name] = engine
         except BaseException as e:  # noqa: BLE001 - told to the server, which stops

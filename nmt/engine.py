@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import sys
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -163,25 +164,32 @@ class NMTEngine:
     def stream(self, opts: SearchOptions) -> NMTStream:
         return NMTStream(self, opts)
 
-    def warm_up(self, opts: SearchOptions) -> None:
+    def warm_up(self, opts: SearchOptions, progress: Callable[[], None] | None = None) -> None:
         """Decode made-up sentences with `opts` as a server's running batch does, so that
         compiled code (`compile_decoding`) makes its graphs now rather than during the first
         requests: batches of several and one sentence alone (a batch of one, and a step of one
         hypothesis per sentence, make graphs of their own), then sentences joining one at a
-        time and leaving. Test sentences streamed after it make no graph more (tests)."""
+        time and leaving. Test sentences streamed after it make no graph more (tests).
+        `progress()` after every step: the longest silence is one graph's compiling."""
         words = "the man in a red shirt is riding his bike down the street near two dogs".split()
         lines = [" ".join(itertools.islice(itertools.cycle(words), n)) for n in WARM_UP]
         with self.held():
             stream = self.stream(opts)
+
+            def step() -> None:
+                stream.step()
+                if progress is not None:
+                    progress()
+
             for group in (lines[:3], lines[:1], lines[3:6]):  # batches, then one alone
                 stream.add(group, list(range(len(group))))
                 while len(stream):
-                    stream.step()
+                    step()
             for i, line in enumerate(lines):
                 stream.add([line], [i])
-                stream.step()
+                step()
             while len(stream):
-                stream.step()
+                step()
 
 
 class NMTStream:
@@ -444,6 +452,14 @@ def compile_decoding(model: torch.nn.Module, arch: str, precision: str) -> None:
     or raise `NMTError` where it cannot."""
     for m in check_compile(model, arch, precision):
         m.compile_decoding()
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (dynamo's count; 0 in a process
+    that never compiled, without importing the compiler for it). A compiled decoder that
+    makes one more after `NMTEngine.warm_up` held its batch while it compiled."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else utils.counters["stats"]["unique_graphs"]
 
 
 def open_engine(

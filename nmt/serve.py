@@ -4,7 +4,8 @@
     GET  /models      what is served: architecture, languages, parameters, step, BLEU
     GET  /health      liveness: 200 as soon as the server answers
     GET  /ready       readiness: 503 until every model is loaded, then 200
-    GET  /stats       requests, sentences and batches decoded so far
+    GET  /stats       requests, sentences and batches decoded so far (and, with --compile,
+                      graphs the decoding processes compiled while serving: none is the aim)
     GET  /            a page to try the models (nmt/static/), /docs the OpenAPI page
 
 Decoding: every sentence of every request joins a queue per (model, search options).
@@ -1012,7 +1013,15 @@ def create_app(
         b = state.batcher
         if b is None:
             return JSONResponse({"ready": False})
-        return JSONResponse({"ready": True, "queued_sentences": b.queued, **b.stats.as_dict()})
+        late = sum(p.graphs_while_serving for p in b.processes)
+        return JSONResponse(
+            {
+                "ready": True,
+                "queued_sentences": b.queued,
+                **b.stats.as_dict(),
+                "graphs_compiled_while_serving": late,
+            }
+        )
 
     @app.post(
         "/translate",

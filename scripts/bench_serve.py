@@ -18,7 +18,9 @@ What is measured
   * requests/s and sentences/s: over the row's wall time, first request sent to last answer
     received; latencies from writing a request to reading its whole answer (p50, p95, p99,
     max). Batches (groups of sentences taken from the queue at once) and decoding steps, and
-    the mean number of sentences a step decoded: the server's /stats before and after the row.
+    the mean number of sentences a step decoded: the server's /stats before and after the row;
+    with --compile, the graphs its decoding processes compiled during the row (any holds a
+    batch for as long as it compiles).
   * Offline: `nmt.translate.translate_lines` as `nmt translate RUN --beam B` runs it (the
     run's decode.batch_tokens and decode.workers, sorted by length), in this process, while
     the server is not running, after a warm-up on 64 sentences: --offline-repeats passes
@@ -364,11 +366,14 @@ def main(argv: list[str] | None = None) -> None:
                 sentences_per_batch=(after["sentences"] - before["sentences"]) / max(batches, 1),
                 steps=steps,
                 sentences_per_step=in_steps / max(steps, 1),
+                graphs_compiled=after["graphs_compiled_while_serving"]
+                - before["graphs_compiled_while_serving"],
             )
             rows.append(row)
             print(
                 f"{clients} clients: {row['sentences_per_s']:.1f} sentences/s, p99 "
-                f"{row['p99_ms']:.0f} ms, {row['sentences_per_step']:.1f} sentences a step"
+                f"{row['p99_ms']:.0f} ms, {row['sentences_per_step']:.1f} sentences a step, "
+                f"{row['graphs_compiled']} graphs compiled"
             )
     finally:
         server.terminate()

@@ -7,7 +7,6 @@ them too. They do not translate well, which is fine: every property here holds f
 
 from __future__ import annotations
 
-import gzip
 import math
 import threading
 import time
@@ -325,55 +324,6 @@ def test_a_stream_of_one_batch_is_beam_search(transformer):
     opts = SearchOptions(beam=4, nbest=4)
     got, _ = stream_decode(transformer.model, sources, opts, [len(sources)])
     assert got == beam_search(transformer.model, *make_batch(sources), opts)
-
-
-def test_compiled_decoding_warms_up_then_searches_as_eager_without_compiling(request, multi30k_dir):
-    """`--compile` (`compile_decoding`: torch.compile'd encoder, decoder start and decoder
-    layers, in an engine of its own: the graphs hold its weights). After `NMTEngine.warm_up`,
-    streams that sentences join one, two or three at a time (ragged caches, rows without a
-    cache yet, a batch down to one sentence), in beam search with an n-best and in greedy
-    search, make no graph more (a recompile is an error here: under a server's load it held
-    requests for tens of seconds) and find what eager decoding finds, up to rounding."""
-    import contextlib
-
-    import torch.fx.experimental._config as shapes
-    from torch._dynamo.utils import counters
-    from torch._inductor import config as inductor
-
-    from nmt.engine import open_engine
-    from nmt.models.transformer import INDUCTOR, SHAPES
-
-    run_dir, _ = tiny_run("transformer", STEPS["transformer"])
-    settings = contextlib.ExitStack()  # the process' settings compile_decoding sets, restored
-    for config, keys in ((inductor, INDUCTOR), (shapes, SHAPES)):
-        settings.enter_context(config.patch({k: getattr(config, k) for k in keys}))
-    request.addfinalizer(settings.close)
-    before = counters["stats"]["unique_graphs"]
-    compiled = open_engine([run_dir], "nmt", CPU, "fp32", compile=True)
-    eager = open_engine([run_dir], "nmt", CPU, "fp32")
-    english = gzip.open(multi30k_dir / "test_2016_flickr.en.gz", "rt").read().splitlines()
-    lines = sorted(english[:60], key=len)[::4]  # 15 of clearly different lengths
-    beam, greedy = SearchOptions(beam=4, nbest=2), SearchOptions(beam=1)
-    compiled.warm_up(beam)
-    graphs = counters["stats"]["unique_graphs"]
-    assert graphs - before >= 3  # the encoder's, the decoder start's and the layers'
-    arrivals = [1, 0, 2, 0, 0, 3, 1, 0, 0, 2, 1]
-    with torch._dynamo.config.patch(error_on_recompile=True), compiled.held():
-        for opts in (beam, greedy):
-            stream, got, todo, step = compiled.stream(opts), {}, list(enumerate(lines)), 0
-            while todo or len(stream):
-                n = arrivals[step] if step < len(arrivals) else 1
-                if n and todo:
-                    (ids, group), todo = zip(*todo[:n]), todo[n:]
-                    stream.add(list(group), list(ids))
-                got.update(stream.step())
-                step += 1
-            want = eager.translate(lines, opts, 1 << 20)
-            for i, nbest in enumerate(want):
-                assert [t for t, _ in got[i]] == [t for t, _ in nbest]
-                scores = [h.score for _, h in got[i]]
-                assert scores == pytest.approx([h.score for _, h in nbest], abs=1e-4)
-    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_beam_finds_higher_model_scores_than_greedy(transformer):

@@ -31,6 +31,7 @@ from test_translate_cli import FP32, PNG_MAGIC, nmt_cli, ok, one_line_error, rea
 
 from nmt import NMTError, checkpoint
 from nmt.decode_process import DecodeProcess, DecodeProcessError, Load
+from nmt.engine import WARM_UP, NMTStream
 from nmt.models.base import count_parameters
 from nmt.serve import ModelSpec, ServeSettings, create_app, load_served, serve
 from nmt.translate import load_model, search_options, translate_lines
@@ -683,14 +684,16 @@ def server(runs):
         yield url
 
 
-def post_all(url: str, bodies: list) -> list[httpx.Response]:
-    """Each body POSTed to /translate by its own thread, all at once."""
+def post_all(url: str, bodies: list, delays: list[float] | None = None) -> list[httpx.Response]:
+    """Each body POSTed to /translate by its own thread, all at once (or `delays[i]` seconds
+    after the others started)."""
     answers: list = [None] * len(bodies)
     barrier = threading.Barrier(len(bodies))
 
     def send(i: int) -> None:
         with httpx.Client(timeout=120) as c:
             barrier.wait()
+            time.sleep(delays[i] if delays else 0)
             if isinstance(bodies[i], bytes):
                 answers[i] = c.post(f"{url}/translate", content=bodies[i])
             else:
@@ -964,16 +967,78 @@ def test_compile_is_checked_by_the_server_and_done_by_its_children(runs, served)
         serve([ModelSpec("tiny", runs["tiny"])], threads, "127.0.0.1", 0, CPU, None)
 
 
-def test_serve_compile_translates_as_eager_decoding(runs, english, alone):
+def test_serve_compile_decodes_as_eager_and_compiles_nothing_while_serving(runs, english, served):
     """`nmt serve --compile` end to end: its decoding process compiles the tiny transformer
-    (warming up on made-up sentences) before the server says ready; then 16 clients at once,
-    one sentence each, get what eager decoding gives them (fp32), decoded together."""
-    with nmt_server(runs["tiny"], *FP32, "--compile", "--workers", "1", within=900) as (_, url):
+    (warming up on made-up sentences with the run's search settings) before the server says
+    ready. Then one sentence a request, all at once in the run's beam search, and arriving in
+    groups (joining a running batch at its next step, a batch down to one sentence) in beam 4
+    with an n-best of 2 and in greedy search: each gets what eager decoding gives (fp32:
+    texts, scores within 1e-4), decoded together, and no graph is compiled while serving
+    (`/stats`; a graph compiled under a server's load held requests for tens of seconds)."""
+    engine, d = served[0].engine, served[0].engine.config.decode
+    lines = sorted(english[:32], key=len)[::2]  # 16 of clearly different lengths
+    groups = [1, 2, 3, 1, 1, 2, 4, 1, 1]  # arrivals 30 ms apart, a group at once
+    stagger = [0.03 * g for g, n in enumerate(groups) for _ in range(n)]
+    cases = [  # (request fields, what `nmt translate` searches with them, delays)
+        ({}, search_options(d, nbest=1), None),
+        ({"beam": 4, "nbest": 2}, search_options(d, beam=4, nbest=2), stagger),
+        ({"beam": 1}, search_options(d, beam=1, nbest=1), stagger),
+    ]
+    args = [*FP32, "--compile", "--workers", "1", "--max-wait-ms", "5"]
+    with nmt_server(runs["tiny"], *args, within=900) as (_, url):
         before = get(f"{url}/stats").json()
-        answers = post_all(url, [{"text": line} for line in english[:16]])
-        for line, answer in zip(english, answers):
-            assert answer.status_code == 200, answer.text
-            assert texts(answer.json()) == [alone(line)[0]]
+        assert before["graphs_compiled_while_serving"] == 0  # the warm-up's are not counted
+        for fields, opts, delays in cases:
+            want = translate_lines(
+                engine.model, engine.tokenizer, lines, opts, d.batch_tokens, CPU, "fp32"
+            )
+            bodies = [{"text": line, "scores": True, **fields} for line in lines]
+            for nbest, answer in zip(want, post_all(url, bodies, delays)):
+                assert answer.status_code == 200, answer.text
+                (got,) = answer.json()["translations"]
+                hyps = got.get("nbest") or [got]  # a 1-best answer has no "nbest"
+                assert [h["text"] for h in hyps] == [text for text, _ in nbest]
+                scores = [h["score"] for h in hyps]
+                assert scores == pytest.approx([h.score for _, h in nbest], abs=1e-4)
         after = get(f"{url}/stats").json()
-        assert after["sentences"] - before["sentences"] == 16
-        assert after["batches"] - before["batches"] < 16
+        assert after["sentences"] - before["sentences"] == 3 * len(lines)
+        assert after["batches"] - before["batches"] < 3 * len(lines)
+        assert after["graphs_compiled_while_serving"] == 0
+
+
+def test_a_warm_up_reports_each_step(served, monkeypatch):
+    """`NMTEngine.warm_up` says when each step is done (a decoding process tells the server,
+    which waits as long as it hears from it: compiling takes longer on a slower machine, and
+    the longest silence is one graph's compiling)."""
+    engine = served[0].engine
+    steps, reports = [], []
+    step = NMTStream.step
+
+    def counted(self):
+        steps.append(len(reports))
+        return step(self)
+
+    monkeypatch.setattr(NMTStream, "step", counted)
+    engine.warm_up(search_options(engine.config.decode), lambda: reports.append(len(steps)))
+    assert len(steps) > len(WARM_UP)  # batches, one alone, then sentences joining
+    assert reports == list(range(1, len(steps) + 1))  # a report after each step, before the next
+
+
+def test_a_decoding_process_counts_the_graphs_compiled_while_serving(caplog):
+    """Every answer of a decoding process says how many graphs it has compiled since it
+    started: those before "ready" are its warm-up's; each one after is counted for /stats and
+    logged once (what a decoding process that compiles sends, as numbers)."""
+    process = DecodeProcess([], threads=1)
+    with caplog.at_level(logging.WARNING, logger="nmt.decode_process"):
+        process.count_graphs("error", 2)  # failed while it loaded: not serving
+        process.count_graphs("ready", 7)
+        process.count_graphs("ok", 7)
+        assert process.graphs_while_serving == 0 and not caplog.records
+        process.count_graphs("ok", 8)
+        process.count_graphs("ok", 8)
+        process.count_graphs("error", 10)  # a failed step that compiled too
+    assert process.graphs_while_serving == 3
+    assert [r.getMessage().split(" (")[1] for r in caplog.records] == [
+        "1 since it was ready): its batch waited for it; the warm-up met no batch of that shape",
+        "3 since it was ready): its batch waited for it; the warm-up met no batch of that shape",
+    ]
