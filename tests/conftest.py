@@ -26,13 +26,21 @@ MULTI30K = DATA_DIR / "multi30k"
 
 @pytest.fixture(scope="session", autouse=True)
 def _environment(tmp_path_factory: pytest.TempPathFactory):
-    """Point the toolkit at the local corpus copy and a throwaway cache for the whole session."""
+    """Point the toolkit at the local corpus copy and a throwaway cache for the whole session;
+    under pytest-xdist (README's test command: 2 workers), give each worker its share of
+    torch's threads (2 processes of 2 threads each on 2 cores slowed each other's steps)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, threads // workers))
     cache = tmp_path_factory.mktemp("nmt-cache")
     old = {k: os.environ.get(k) for k in ("NMT_DATA_DIR", "NMT_CACHE_DIR", "HF_DATASETS_CACHE")}
     os.environ["NMT_DATA_DIR"] = str(DATA_DIR)
     os.environ["NMT_CACHE_DIR"] = str(cache)
     os.environ["HF_DATASETS_CACHE"] = str(cache / "hf")
     yield
+    torch.set_num_threads(threads)
     for k, v in old.items():
         if v is None:
             os.environ.pop(k, None)
