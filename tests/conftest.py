@@ -24,21 +24,55 @@ DATA_DIR = Path(os.environ.get("NMT_DATA_DIR", REPO.parent / "shared" / "data"))
 MULTI30K = DATA_DIR / "multi30k"
 
 
+# Test files by the time they take, longest first (README's test command, on a 2-core machine
+# much slower than a laptop: `python -m nmt` alone took 13-16 s there). pytest-xdist hands each
+# worker whole files in this order (--no-loadscope-reorder; its own order, by number of tests,
+# left the longest files for last, one worker running them while the other had ended).
+LONGEST_FIRST = (
+    "test_translate_cli.py",
+    "test_train.py",
+    "test_serve.py",
+    "test_compare.py",
+    "test_train_options.py",
+    "test_search.py",
+    "test_docs.py",
+    "test_research.py",
+    "test_export.py",
+    "test_run.py",
+    "test_guide.py",
+    "test_data.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _environment(tmp_path_factory: pytest.TempPathFactory):
     """Point the toolkit at the local corpus copy and a throwaway cache for the whole session;
-    under pytest-xdist (README's test command: 2 workers), give each worker its share of
-    torch's threads (2 processes of 2 threads each on 2 cores slowed each other's steps)."""
+    under pytest-xdist (README's test command: 2 workers), give each worker, and the processes
+    its tests start, their share of the cores: torch's threads, OpenMP's (a training process of
+    2 threads beside a busy worker took 72-81 s where 1 thread took 48 s) and inductor's
+    compiling processes (each one imports torch again). A test that wants more says so in its
+    process' environment."""
     import torch
 
     threads = torch.get_num_threads()
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    torch.set_num_threads(max(1, threads // workers))
+    share = max(1, threads // workers)
+    torch.set_num_threads(share)
     cache = tmp_path_factory.mktemp("nmt-cache")
-    old = {k: os.environ.get(k) for k in ("NMT_DATA_DIR", "NMT_CACHE_DIR", "HF_DATASETS_CACHE")}
-    os.environ["NMT_DATA_DIR"] = str(DATA_DIR)
-    os.environ["NMT_CACHE_DIR"] = str(cache)
-    os.environ["HF_DATASETS_CACHE"] = str(cache / "hf")
+    env = {
+        "NMT_DATA_DIR": str(DATA_DIR),
+        "NMT_CACHE_DIR": str(cache),
+        "HF_DATASETS_CACHE": str(cache / "hf"),
+    }
+    if workers > 1:
+        env.update(OMP_NUM_THREADS=str(share), TORCHINDUCTOR_COMPILE_THREADS=str(share))
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     yield
     torch.set_num_threads(threads)
     for k, v in old.items():
