@@ -26,21 +26,22 @@ MULTI30K = DATA_DIR / "multi30k"
 
 # Test files by the time they take, longest first (README's test command, on a 2-core machine
 # much slower than a laptop: `python -m nmt` alone took 13-16 s there). pytest-xdist hands each
-# worker whole files in this order (--no-loadscope-reorder; its own order, by number of tests,
-# left the longest files for last, one worker running them while the other had ended).
+# worker whole files in this order (--no-loadscope-reorder; its own order is by number of tests,
+# which put test_compare.py and test_docs.py, few tests of minutes each, among the last).
 LONGEST_FIRST = (
-    "test_translate_cli.py",
+    "test_serve.py",  # its `nmt serve --compile` test alone: 786 s there
     "test_train.py",
-    "test_serve.py",
+    "test_translate_cli.py",
     "test_compare.py",
-    "test_train_options.py",
-    "test_search.py",
     "test_docs.py",
-    "test_research.py",
-    "test_export.py",
-    "test_run.py",
+    "test_search.py",
+    "test_train_options.py",
     "test_guide.py",
+    "test_export.py",
+    "test_research.py",
+    "test_run.py",
     "test_data.py",
+    "test_allocator.py",
 )
 
 
