@@ -29,7 +29,7 @@ MULTI30K = DATA_DIR / "multi30k"
 # worker whole files in this order (--no-loadscope-reorder; its own order is by number of tests,
 # which put test_compare.py and test_docs.py, few tests of minutes each, among the last).
 LONGEST_FIRST = (
-    "test_serve.py",  # its `nmt serve --compile` test alone: 786 s there
+    "test_serve.py",  # its `nmt serve --compile` test alone: 786 s to over 900 s there
     "test_train.py",
     "test_translate_cli.py",
     "test_compare.py",
