@@ -985,7 +985,7 @@ def test_serve_compile_decodes_as_eager_and_compiles_nothing_while_serving(runs,
         ({"beam": 1}, search_options(d, beam=1, nbest=1), stagger),
     ]
     args = [*FP32, "--compile", "--workers", "1", "--max-wait-ms", "5"]
-    # ready once every warm-up graph is compiled: 12 to over 15 minutes on a slow 2-core CI
+    # ready once every warm-up graph is compiled: up to 13, and over 15, minutes on a slow 2-core CI
     # machine beside the other test worker (the server itself gives up on a decoding process
     # silent for 10 minutes, one graph's compiling: `nmt.decode_process.START_TIMEOUT_S`)
     with nmt_server(runs["tiny"], *args, within=1800) as (_, url):
