@@ -144,6 +144,108 @@ def matmul_peak(size: int, dtype: torch.dtype, repeats: int) -> dict[str, float]
     return {"size": size, "seconds_median": median(times), "flops_per_s": flops / median(times)}
 
 
+# -- where a step's time goes --------------------------------------------------------------
+
+# The operators that do the work, by kind (names without their namespace), for `profile_ops`.
+# Anything else is "other", among them the wrappers that call these (matmul and linear call
+# mm or addmm, to and clone call copy_): their own time is dispatch and allocation, and
+# leaving them out keeps a group's calls a count of its kernels' calls.
+OP_GROUPS: dict[str, list[str]] = {
+    "matrix products": "mm addmm bmm baddbmm _linear_pointwise linear_dynamic "
+    "qlinear_pointwise _weight_int8pack_mm".split(),
+    "attention kernels (SDPA)": "_scaled_dot_product_flash_attention_for_cpu "
+    "_scaled_dot_product_flash_attention_for_cpu_backward _scaled_dot_product_attention_math "
+    "_scaled_dot_product_efficient_attention _scaled_dot_product_efficient_attention_backward "
+    "_scaled_dot_product_flash_attention _scaled_dot_product_flash_attention_backward".split(),
+    "casts and copies": ["copy_"],
+    "softmax, log-softmax, loss": "_softmax _log_softmax _softmax_backward_data "
+    "_log_softmax_backward_data nll_loss_forward nll_loss_backward logsumexp amax".split(),
+    "layer norm": "native_layer_norm native_layer_norm_backward".split(),
+    "random numbers (dropout)": "random_ bernoulli_ native_dropout uniform_".split(),
+    "optimizer": "_fused_adam_ _foreach_add_ _foreach_mul_ _foreach_mul _foreach_norm "
+    "_foreach_addcmul_ _foreach_addcdiv_ _foreach_sqrt _foreach_div_ _foreach_lerp_ "
+    "linalg_vector_norm".split(),
+    "search: top-k, gather, reorder": "topk sort index_select index take gather scatter "
+    "scatter_ cat index_put_ index_copy_ masked_select nonzero".split(),
+    "elementwise": "add add_ mul mul_ sub div div_ where fill_ masked_fill masked_fill_ "
+    "clamp_min threshold_backward relu gelu gelu_backward ge lt eq ne bitwise_not sum all "
+    "any exp log neg zero_ embedding embedding_dense_backward addcmul_ lerp_ sqrt".split(),
+}
+_GROUP_OF = {op: group for group, ops in OP_GROUPS.items() for op in ops}
+
+
+def op_group(name: str) -> str:
+    """The OP_GROUPS group of an operator name such as "aten::mm" (else "other")."""
+    return _GROUP_OF.get(name.rsplit("::", 1)[-1], "other")
+
+
+def profile_ops(
+    step: Callable[[Any], Any], items: Sequence[Any], steps: int, unit: str = "step"
+) -> dict[str, Any]:
+    """Where `steps` calls of `step` (over `items` in turn; a call is one `unit`: a training
+    step, a batch) spend their time, by torch.profiler (CPU activity): each operator's self
+    time (children excluded) summed by OP_GROUPS group, and the 12 longest operators, per
+    call and as a share of all operators' self time. The wall time is profiled (the profiler
+    adds a few us per operator); what no operator accounts for (Python, the profiler itself)
+    is `outside_ops_ms`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(items[i % len(items)])
+        wall_ms = 1e3 * (time.perf_counter() - t0) / steps
+    ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    ops.sort(key=lambda e: -e.self_cpu_time_total)
+    total_us = sum(e.self_cpu_time_total for e in ops)
+    groups: dict[str, list[float]] = {}
+    for e in ops:
+        group = groups.setdefault(op_group(e.key), [0.0, 0.0])
+        group[0] += e.self_cpu_time_total
+        group[1] += e.count
+
+    def entry(name: str, us: float, calls: float) -> dict[str, Any]:
+        return {
+            "name": name,
+            "ms": us / 1e3 / steps,
+            "pct": 100 * us / total_us,
+            "calls": calls / steps,
+        }
+
+    ops_ms = total_us / 1e3 / steps
+    return {
+        "unit": unit,
+        "count": steps,
+        "wall_ms": wall_ms,
+        "ops_ms": ops_ms,
+        "outside_ops_ms": max(0.0, wall_ms - ops_ms),
+        "groups": sorted(
+            (entry(name, us, calls) for name, (us, calls) in groups.items()),
+            key=lambda r: -r["ms"],
+        ),
+        "top_ops": [entry(e.key, e.self_cpu_time_total, e.count) for e in ops[:12]],
+    }
+
+
+def print_profile(label: str, prof: dict[str, Any]) -> None:
+    """The two tables of a `profile_ops` result (times and calls per unit)."""
+    unit = prof["unit"]
+    columns = [
+        ("name", "what"),
+        ("ms", f"ms/{unit}"),
+        ("pct", "% of ops"),
+        ("calls", f"calls/{unit}"),
+    ]
+    print_table(
+        prof["groups"],
+        columns,
+        title=f"{label}: operator self time per {unit} ({prof['count']} profiled): "
+        f"{prof['wall_ms']:,.1f} ms wall, {prof['ops_ms']:,.1f} ms in operators, "
+        f"{prof['outside_ops_ms']:,.1f} ms outside them",
+    )
+    print_table(prof["top_ops"], columns, title=f"{label}: longest operators")
+
+
 # -- output ---------------------------------------------------------------------------------
 
 

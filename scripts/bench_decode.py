@@ -54,6 +54,12 @@ What is measured
     inter_threads = W from --peer-workers, intra_threads = --threads / W. These rows are peers:
     they run under both process settings (--peer-host) and a second table gives nmt's speed over
     its own model's CTranslate2 speed.
+  * --profile BATCHES: after nmt's timed passes, BATCHES batches decoded one at a time (in the
+    timing thread, with --threads intra-op threads) under torch.profiler: each operator's own
+    time summed by kind (matrix products, casts, softmax, search: top-k and reordering,
+    elementwise, other) and the longest operators, per batch and as a share of all operators'
+    time; what no operator accounts for is Python's (and the profiler's) share
+    (`_benchutil.profile_ops`).
   * Process settings (--peer-host): nmt runs under the settings `nmt translate` applies
     (`nmt.device.configure_host`: denormals flushed, and glibc malloc keeps freed memory: no
     mmap per large tensor, no trimming, a 64 MB top pad). Those settings speed up HF
@@ -73,6 +79,9 @@ Commands:
   ... scripts/bench_decode.py --run runs/multi30k_transformer --fixed-len 20
   # a trained run next to its own CTranslate2 exports (int8, int8_float32, float32, ...):
   ... scripts/bench_decode.py --run runs/multi30k_transformer --modes greedy beam
+  # where beam search's time goes, bf16, 4 batches of 64 (peers off):
+  ... scripts/bench_decode.py --archs transformer --modes beam --precisions bf16 --hf off \\
+      --ct2 off --profile 4
   # peers under nmt's process settings only (one process, no child):
   ... scripts/bench_decode.py --peer-host nmt
   # smoke test (128 sentences, 6 tokens unless --fixed-len is given; under a minute with
@@ -152,6 +161,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "library defaults (in a child process), or both (default)",
     )
     p.add_argument("--peers-only", action="store_true", help=argparse.SUPPRESS)  # the child
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="BATCHES",
+        help="after timing, profile nmt decoding BATCHES batches one at a time: operator time "
+        "by kind",
+    )
     p.add_argument("--quick", action="store_true", help="smoke test: 128 sentences, 6 tokens")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
@@ -329,9 +346,12 @@ def bench_nmt(subject: Subject, mode: str, precision: str, args) -> dict:
     workers = decode_workers(args.workers, device, len(batches))
     with fixed_weights(model):
         times, outputs = timed_passes(decode_pass, batches, args, workers)
+        profile = None
+        if args.profile:  # one batch at a time, in this thread (and its intra-op threads)
+            profile = bu.profile_ops(lambda b: decode_pass([b]), batches, args.profile, "batch")
     lengths = [len(h[0].tokens) if h else 0 for out in outputs for h in out]
     steps = args.fixed_len + 1 if args.fixed_len else None
-    return row_of(
+    row = row_of(
         "nmt",
         subject.name,
         mode,
@@ -342,6 +362,10 @@ def bench_nmt(subject: Subject, mode: str, precision: str, args) -> dict:
         steps,
         float(np.mean(lengths)),
     )
+    if profile:
+        row["profile"] = profile
+        bu.print_profile(f"nmt {subject.name} {mode} {precision}", profile)
+    return row
 
 
 def other_tokens(args) -> int:

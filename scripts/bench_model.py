@@ -20,6 +20,13 @@ What is measured
     peak (and of the fp32 peak). Cross-check printed on batch 0: the projection part equals
     torch.utils.flop_counter.FlopCounterMode's count of one step; FlopCounterMode alone would miss
     the attention products (it has no formula for the CPU flash-attention kernel).
+  * --profile STEPS: after a row is timed, STEPS more steps under torch.profiler, each
+    operator's own time summed by kind (matrix products, casts, softmax and loss, layer norm,
+    dropout's random numbers, optimizer, elementwise, other) and the longest operators, per
+    step and as a share of all operators' time (`_benchutil.profile_ops`); for nmt's
+    transformer also the rate of its matrix products alone (the analytic FLOPs over their
+    time), what the step would reach if nothing else took time. Profiling slows small
+    operators more than large ones: the shares guide, the timed rows measure.
   * When `transformers` is importable: a Hugging Face MarianMTModel of the same size (d_model
     256, 3+3 layers, 4 heads, FFN 1024, ReLU, joint 8k vocabulary, tied embeddings, max 256
     positions, dropout 0.1, SDPA attention), trained on the SAME batches with the HF convention
@@ -29,6 +36,8 @@ What is measured
 Commands (set torch to 2 threads; needs the prepared Multi30k data):
   NMT_DATA_DIR=../shared/data \\
       python scripts/bench_model.py --json runs/bench_model.json
+  # where the transformer's bf16 step goes (8 profiled steps after the timed ones):
+  ... scripts/bench_model.py --archs transformer --precisions bf16 --hf off --profile 8
   # smoke test (a few seconds; small batches, numbers not meaningful):
   ... scripts/bench_model.py --quick
 """
@@ -62,6 +71,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0, help="model initialisation seed")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="after timing, profile STEPS more steps of each row: operator time by kind",
+    )
     p.add_argument("--quick", action="store_true", help="smoke test: tiny batches, one pass")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
@@ -112,6 +128,23 @@ def measure(label: str, step, items, tokens: int, args) -> dict:
     }
     print(f"  {label}: {row['tokens_per_s']:,.0f} tgt tok/s ({row['ms_per_step']:.0f} ms/step)")
     return row
+
+
+def products_rate(prof: dict, parts: list[dict], bf16_peak: float, label: str) -> None:
+    """The rate of the matrix products in a profile of nmt's transformer: the analytic FLOPs
+    of the profiled steps (the batches in turn from the first, as `profile_ops` runs them)
+    over the time of the "matrix products" group, where all of them run (the attention
+    products too: SDPA's math kernel is bmm's). What the whole step could reach if nothing
+    but its products took time."""
+    flops = sum(parts[i % len(parts)]["total"] for i in range(prof["count"])) / prof["count"]
+    products = next(g for g in prof["groups"] if g["name"] == "matrix products")
+    prof["products_gflops_per_s"] = flops / (products["ms"] / 1e3) / 1e9
+    prof["products_pct_bf16_peak"] = 100 * flops / (products["ms"] / 1e3) / bf16_peak
+    print(
+        f"{label}: the matrix products ran at {prof['products_gflops_per_s']:,.1f} GFLOP/s "
+        f"= {prof['products_pct_bf16_peak']:.1f}% of the bf16 peak, in "
+        f"{products['pct']:.1f}% of the operators' time"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -206,7 +239,13 @@ def main(argv: list[str] | None = None) -> dict:
                     "batch_tokens": budget,
                     "tgt_tokens": tokens,
                 }
-                row.update(measure(f"{system} {arch} {precision}", fn, items, tokens, args))
+                label = f"{system} {arch} {precision}"
+                row.update(measure(label, fn, items, tokens, args))
+                if args.profile:
+                    prof = row["profile"] = bu.profile_ops(fn, items, args.profile)
+                    bu.print_profile(label, prof)
+                    if flops is not None and system == "nmt":  # its products are all mm/bmm
+                        products_rate(prof, parts, peak["bf16"]["flops_per_s"], label)
                 if flops is not None:
                     achieved = flops / bu.median(row["pass_seconds"])
                     row["train_flops"] = flops

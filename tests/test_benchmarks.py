@@ -1,0 +1,60 @@
+"""The benchmark scripts' own logic (scripts/_benchutil.py): what their figures are made of."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import _benchutil as bu  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("op", "group"),
+    [
+        ("aten::mm", "matrix products"),
+        ("mkldnn::_linear_pointwise", "matrix products"),
+        ("quantized::linear_dynamic", "matrix products"),
+        ("aten::copy_", "casts and copies"),
+        ("aten::_log_softmax_backward_data", "softmax, log-softmax, loss"),
+        ("aten::random_", "random numbers (dropout)"),
+        ("aten::_fused_adam_", "optimizer"),
+        ("aten::topk", "search: top-k, gather, reorder"),
+        ("aten::native_layer_norm", "layer norm"),
+        ("aten::add_", "elementwise"),
+        ("aten::view", "other"),
+        ("aten::matmul", "other"),  # a wrapper: its work is counted in aten::mm
+        ("aten::_to_copy", "other"),  # a wrapper of aten::copy_
+        ("Optimizer.step#Adam.step", "other"),
+    ],
+)
+def test_operators_are_grouped_by_name_without_namespace(op, group):
+    assert bu.op_group(op) == group
+
+
+def test_profile_sums_each_operators_own_time_by_kind_per_call():
+    """Two profiled calls of a step with one product, two casts and a sum: the groups count
+    those calls per step, their times add up to all operators' time, the shares to 100%."""
+    a, x = torch.randn(128, 128), torch.randn(128, 128)
+
+    def step(item):
+        return (a @ item).to(torch.bfloat16).float().sum()
+
+    prof = bu.profile_ops(step, [x], 2, "batch")
+    groups = {g["name"]: g for g in prof["groups"]}
+    assert prof["unit"] == "batch" and prof["count"] == 2
+    assert groups["matrix products"]["calls"] == 1
+    assert groups["casts and copies"]["calls"] == 2  # to bf16 and back: copy_ (under _to_copy)
+    assert "elementwise" in groups  # the sum (and what it calls)
+    assert sum(g["ms"] for g in prof["groups"]) == pytest.approx(prof["ops_ms"])
+    assert sum(g["pct"] for g in prof["groups"]) == pytest.approx(100)
+    assert [g["ms"] for g in prof["groups"]] == sorted(
+        (g["ms"] for g in prof["groups"]), reverse=True
+    )
+    top = prof["top_ops"]
+    assert [o["ms"] for o in top] == sorted((o["ms"] for o in top), reverse=True)
+    assert {o["name"]: o["calls"] for o in top}["aten::mm"] == 1
+    assert prof["outside_ops_ms"] == pytest.approx(max(0.0, prof["wall_ms"] - prof["ops_ms"]))
