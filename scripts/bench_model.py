@@ -130,20 +130,23 @@ def measure(label: str, step, items, tokens: int, args) -> dict:
     return row
 
 
-def products_rate(prof: dict, parts: list[dict], bf16_peak: float, label: str) -> None:
+def products_rate(prof: dict, parts: list[dict], peak: float, precision: str, label: str) -> None:
     """The rate of the matrix products in a profile of nmt's transformer: the analytic FLOPs
     of the profiled steps (the batches in turn from the first, as `profile_ops` runs them)
-    over the time of the "matrix products" group, where all of them run (the attention
-    products too: SDPA's math kernel is bmm's). What the whole step could reach if nothing
-    but its products took time."""
+    over the time of the "matrix products" and "attention kernels (SDPA)" groups, where they
+    run (in bf16 the attention products are bmm's: SDPA's math kernel), as a share of the
+    matmul `peak` of the step's precision. What the whole step could reach if nothing but its
+    products took time."""
     flops = sum(parts[i % len(parts)]["total"] for i in range(prof["count"])) / prof["count"]
-    products = next(g for g in prof["groups"] if g["name"] == "matrix products")
-    prof["products_gflops_per_s"] = flops / (products["ms"] / 1e3) / 1e9
-    prof["products_pct_bf16_peak"] = 100 * flops / (products["ms"] / 1e3) / bf16_peak
+    kinds = ("matrix products", "attention kernels (SDPA)")
+    seconds = sum(g["ms"] for g in prof["groups"] if g["name"] in kinds) / 1e3
+    share = sum(g["pct"] for g in prof["groups"] if g["name"] in kinds)
+    prof["products_gflops_per_s"] = flops / seconds / 1e9
+    prof["products_pct_peak"] = 100 * flops / seconds / peak
     print(
         f"{label}: the matrix products ran at {prof['products_gflops_per_s']:,.1f} GFLOP/s "
-        f"= {prof['products_pct_bf16_peak']:.1f}% of the bf16 peak, in "
-        f"{products['pct']:.1f}% of the operators' time"
+        f"= {prof['products_pct_peak']:.1f}% of the {precision} peak, in {share:.1f}% of the "
+        "operators' time"
     )
 
 
@@ -245,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
                     prof = row["profile"] = bu.profile_ops(fn, items, args.profile)
                     bu.print_profile(label, prof)
                     if flops is not None and system == "nmt":  # its products are all mm/bmm
-                        products_rate(prof, parts, peak["bf16"]["flops_per_s"], label)
+                        products_rate(prof, parts, peak[precision]["flops_per_s"], precision, label)
                 if flops is not None:
                     achieved = flops / bu.median(row["pass_seconds"])
                     row["train_flops"] = flops
