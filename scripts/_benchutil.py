@@ -159,13 +159,14 @@ OP_GROUPS: dict[str, list[str]] = {
     "_scaled_dot_product_flash_attention _scaled_dot_product_flash_attention_backward".split(),
     "casts and copies": ["copy_"],
     "softmax, log-softmax, loss": "_softmax _log_softmax _softmax_backward_data "
-    "_log_softmax_backward_data nll_loss_forward nll_loss_backward logsumexp amax".split(),
+    "_log_softmax_backward_data nll_loss_forward nll_loss_backward logsumexp".split(),
     "layer norm": "native_layer_norm native_layer_norm_backward".split(),
     "random numbers (dropout)": "random_ bernoulli_ native_dropout uniform_".split(),
     "optimizer": "_fused_adam_ _foreach_add_ _foreach_mul_ _foreach_mul _foreach_norm "
     "_foreach_addcmul_ _foreach_addcdiv_ _foreach_sqrt _foreach_div_ _foreach_lerp_ "
     "linalg_vector_norm".split(),
-    "search: top-k, gather, reorder": "topk sort index_select index take gather scatter "
+    # amax: the search's block maxima before its top-k (nmt.search), not a softmax's
+    "search: top-k, gather, reorder": "topk amax sort index_select index take gather scatter "
     "scatter_ cat index_put_ index_copy_ masked_select nonzero".split(),
     "elementwise": "add add_ mul mul_ sub div div_ where fill_ masked_fill masked_fill_ "
     "clamp_min threshold_backward relu gelu gelu_backward ge lt eq ne bitwise_not sum all "

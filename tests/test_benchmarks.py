@@ -23,6 +23,7 @@ import _benchutil as bu  # noqa: E402
         ("aten::random_", "random numbers (dropout)"),
         ("aten::_fused_adam_", "optimizer"),
         ("aten::topk", "search: top-k, gather, reorder"),
+        ("aten::amax", "search: top-k, gather, reorder"),
         ("aten::native_layer_norm", "layer norm"),
         ("aten::add_", "elementwise"),
         ("aten::view", "other"),
