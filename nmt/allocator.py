@@ -20,6 +20,8 @@ at minute 2 and 2.44 GB at minute 10; glibc 4,099 tok/s, 3.13 and 3.65 GB.
 A command relaunches itself once (`relaunch`, an exec of the same command line) with the
 library in LD_PRELOAD: an allocator must be in place before the process allocates anything.
 NMT_MALLOC=system keeps glibc's malloc; NMT_MALLOC=LIBRARY preloads that library instead.
+`heap_bytes` reads the allocator's own count of what it holds (in use, kept free), which
+`scripts/bench_model.py --memory` reports; `release_free_memory` hands its free pages back.
 """
 
 from __future__ import annotations
@@ -92,6 +94,48 @@ def relaunch(command: bool = False) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+class _Mallinfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2` (glibc 2.33+): ten size_t counters."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
+
+
+def heap_bytes() -> dict[str, int] | None:
+    """What the allocator holds, by its own count: `in_use`, the bytes the program has
+    allocated and not freed; `free`, freed bytes it keeps mapped for reuse (resident once
+    touched). TCMalloc: `generic.current_allocated_bytes`, and its heap size less that and
+    less the pages it has handed back (`tcmalloc.pageheap_unmapped_bytes`); glibc:
+    `mallinfo2`'s arena and mmapped bytes in use, and its arenas' free chunks (resident or
+    not: `malloc_trim` hands back their pages but they stay free chunks). None on another
+    allocator or system. Resident memory beyond in_use + free is the program's code and what
+    it maps itself."""
+    if not sys.platform.startswith("linux"):
+        return None
+    process = ctypes.CDLL(None)
+    read = getattr(process, "MallocExtension_GetNumericProperty", None)
+    if read is not None:
+        read.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)]
+        values = {}
+        names = "generic.current_allocated_bytes generic.heap_size tcmalloc.pageheap_unmapped_bytes"
+        for name in names.split():
+            value = ctypes.c_size_t(0)
+            if not read(name.encode(), ctypes.byref(value)):
+                return None
+            values[name] = value.value
+        used = values["generic.current_allocated_bytes"]
+        mapped = values["generic.heap_size"] - values["tcmalloc.pageheap_unmapped_bytes"]
+        return {"in_use": used, "free": max(0, mapped - used)}
+    mallinfo2 = getattr(process, "mallinfo2", None)
+    if mallinfo2 is not None and in_use() == "glibc":
+        mallinfo2.restype = _Mallinfo2
+        info = mallinfo2()
+        return {"in_use": info.uordblks + info.hblkhd, "free": info.fordblks}
+    return None
 
 
 def release_free_memory() -> bool:

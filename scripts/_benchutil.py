@@ -104,6 +104,37 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def status_kb(pid: int | str = "self") -> dict[str, int]:
+    """VmRSS and VmHWM (its peak so far) of a process, in kB (empty once it is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0])
+    return out
+
+
+def memory_now() -> dict[str, float]:
+    """This process' resident memory and its peak, and what its allocator holds in use and
+    kept free (`nmt.allocator.heap_bytes`), in MB; oneDNN's kernel cache size beside them."""
+    from nmt import allocator
+    from nmt.cpu import PRIMITIVE_CACHE
+
+    kb = status_kb()
+    heap = allocator.heap_bytes() or {}
+    out: dict[str, float] = {
+        "rss_mb": kb.get("VmRSS", 0) / 1024,
+        "peak_rss_mb": kb.get("VmHWM", 0) / 1024,
+        "onednn_cache_capacity": int(os.environ.get(PRIMITIVE_CACHE, 0)),
+    }
+    out.update({f"heap_{k}_mb": v / 2**20 for k, v in heap.items()})
+    return out
+
+
 def warn_if_busy() -> None:
     """The numbers are only as good as the idle cores: say so when others are using them."""
     load = os.getloadavg()[0]

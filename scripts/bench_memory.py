@@ -52,20 +52,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def status_kb(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM of a process, in kB (empty once it is gone)."""
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return {}
-    out = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0])
-    return out
-
-
 def logged_rate(metrics: Path, settle_minutes: float) -> dict[str, float]:
     records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     train = [r for r in records if r["kind"] == "train"]
@@ -102,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     samples = []
     while proc.poll() is None:
-        kb = status_kb(proc.pid)
+        kb = bu.status_kb(proc.pid)
         if kb:
             minute = (time.monotonic() - t0) / 60
             samples.append(

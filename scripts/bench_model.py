@@ -27,6 +27,13 @@ What is measured
     transformer also the rate of its matrix products alone (the analytic FLOPs over their
     time), what the step would reach if nothing else took time. Profiling slows small
     operators more than large ones: the shares guide, the timed rows measure.
+  * --memory: after each row's timed passes, this process' resident memory and its peak so
+    far (/proc/self/status), and what its allocator holds (`nmt.allocator.heap_bytes`): bytes
+    in use between steps (weights, optimizer state, batches, oneDNN's kernels for every batch
+    shape met) and freed bytes kept for reuse (what a step's activations need at their
+    peak). Rows run one after the other in this process, so a row's figures include what the
+    rows before it left; oneDNN's kernel cache size (ONEDNN_PRIMITIVE_CACHE_CAPACITY, which
+    `nmt.cpu` sets to 8,192 unless given) is printed beside them.
   * When `transformers` is importable: a Hugging Face MarianMTModel of the same size (d_model
     256, 3+3 layers, 4 heads, FFN 1024, ReLU, joint 8k vocabulary, tied embeddings, max 256
     positions, dropout 0.1, SDPA attention), trained on the SAME batches with the HF convention
@@ -38,6 +45,10 @@ Commands (set torch to 2 threads; needs the prepared Multi30k data):
       python scripts/bench_model.py --json runs/bench_model.json
   # where the transformer's bf16 step goes (8 profiled steps after the timed ones):
   ... scripts/bench_model.py --archs transformer --precisions bf16 --hf off --profile 8
+  # what the memory of a training process holds: an epoch's batches, nmt alone, once (and
+  # the same with ONEDNN_PRIMITIVE_CACHE_CAPACITY=0: no oneDNN kernel kept)
+  ... scripts/bench_model.py --archs transformer --precisions bf16 --hf off --batches 335 \\
+      --warmup 0 --repeats 1 --memory
   # smoke test (a few seconds; small batches, numbers not meaningful):
   ... scripts/bench_model.py --quick
 """
@@ -77,6 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         metavar="STEPS",
         help="after timing, profile STEPS more steps of each row: operator time by kind",
+    )
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="after each row: resident memory, its peak, and what the allocator holds in use "
+        "and kept free",
     )
     p.add_argument("--quick", action="store_true", help="smoke test: tiny batches, one pass")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -244,6 +261,14 @@ def main(argv: list[str] | None = None) -> dict:
                 }
                 label = f"{system} {arch} {precision}"
                 row.update(measure(label, fn, items, tokens, args))
+                if args.memory:
+                    row.update(bu.memory_now())
+                    print(
+                        f"  {label}: RSS {row['rss_mb']:,.0f} MB (peak {row['peak_rss_mb']:,.0f}), "
+                        f"allocator in use {row.get('heap_in_use_mb', float('nan')):,.0f} MB, "
+                        f"kept free {row.get('heap_free_mb', float('nan')):,.0f} MB "
+                        f"(oneDNN kernel cache {row['onednn_cache_capacity']:,} entries)"
+                    )
                 if args.profile:
                     prof = row["profile"] = bu.profile_ops(fn, items, args.profile)
                     bu.print_profile(label, prof)
@@ -298,6 +323,11 @@ def main(argv: list[str] | None = None) -> dict:
             ("gflops_per_s", "GFLOP/s"),
             ("pct_bf16_peak", "% bf16 peak"),
             ("pct_fp32_peak", "% fp32 peak"),
+            *(
+                [("rss_mb", "RSS MB"), ("heap_in_use_mb", "in use MB"), ("heap_free_mb", "free MB")]
+                if args.memory
+                else []
+            ),
         ],
         title=f"training step (fwd+bwd+clip+Adam), {len(batches)} batches x {args.repeats} passes, "
         f"{tokens:,} target tokens per pass",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -59,3 +60,25 @@ def test_profile_sums_each_operators_own_time_by_kind_per_call():
     assert [o["ms"] for o in top] == sorted((o["ms"] for o in top), reverse=True)
     assert {o["name"]: o["calls"] for o in top}["aten::mm"] == 1
     assert prof["outside_ops_ms"] == pytest.approx(max(0.0, prof["wall_ms"] - prof["ops_ms"]))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and Linux allocators")
+def test_memory_figures_count_a_live_tensor_as_in_use_and_resident():
+    """`bench_model --memory`'s figures: a 400 MB tensor, touched, shows in the allocator's
+    bytes in use while it lives and leaves them when freed; the resident set holds it, and
+    grows by it but for what the allocator kept free before (pages it reuses were resident)."""
+    from nmt import allocator
+    from nmt.cpu import PRIMITIVE_CACHE  # set to 8,192 on import unless already set
+
+    before = bu.memory_now()
+    block = torch.ones(100 << 20)  # 400 MB, every page written
+    live = bu.memory_now()
+    del block
+    after = bu.memory_now()
+    assert live["rss_mb"] >= 400 and live["peak_rss_mb"] >= live["rss_mb"]
+    assert live["onednn_cache_capacity"] == int(os.environ[PRIMITIVE_CACHE])  # nmt.cpu's default
+    if allocator.heap_bytes() is None:
+        pytest.skip(f"the allocator of this process ({allocator.in_use()}) gives no count")
+    assert live["heap_in_use_mb"] - before["heap_in_use_mb"] >= 399
+    assert abs(after["heap_in_use_mb"] - before["heap_in_use_mb"]) < 10
+    assert live["rss_mb"] - before["rss_mb"] >= 390 - before["heap_free_mb"], (before, live)
