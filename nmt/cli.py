@@ -182,7 +182,7 @@ def prepare(
     with run.writer():
         run.attach(cfg, prepared.tokenizer_files)
     train = prepared.split("train")
-    batches = TokenBatches(train.src_lens, train.tgt_lens, cfg.train.batch_tokens, cfg.train.seed)
+    batches = TokenBatches.of(train, cfg.train)
     show_prepared(prepared, batches.padding_fraction())
 
 

@@ -119,6 +119,10 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     compile: bool = False
     batch_tokens: int = 4096  # max tokens per batch, padding included
+    # A batch cut by batch_tokens holds a multiple of this many sentences (the leftovers begin
+    # the next): its padded matrices' heights are multiples of it, so an epoch has fewer
+    # distinct heights, and the CPU fewer oneDNN kernels to make and keep. 1 = any count.
+    batch_multiple: int = 8
     accumulate: int = 1
     optimizer: Literal["adam", "adamw"] = "adam"
     lr: float = 5e-4
@@ -159,6 +163,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check(self.batch_tokens >= 16, "train.batch_tokens", "must be >= 16")
+        _check(self.batch_multiple >= 1, "train.batch_multiple", "must be >= 1")
         _check(self.accumulate >= 1, "train.accumulate", "must be >= 1")
         _check(self.lr > 0, "train.lr", "must be > 0")
         _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing", "must be in [0, 1)")
@@ -294,7 +299,20 @@ LATER_KEYS: dict[tuple[str, str], Any] = {
     ("train", "deterministic"): False,
     ("train", "tf32"): True,
     ("train", "dist_timeout_minutes"): 120.0,
+    ("train", "batch_multiple"): 1,
 }
+
+
+def as_it_ran(raw: dict[str, Any]) -> dict[str, Any]:
+    """A run's written config (always whole) with the `LATER_KEYS` it lacks set to the values
+    it ran with: one written by an older nmt then resumes as it began (batches packed as
+    before, `train.batch_multiple` 1), instead of taking a later key's new default."""
+    out = {name: dict(v) if isinstance(v, dict) else v for name, v in raw.items()}
+    for (section, key), before in LATER_KEYS.items():
+        if isinstance(out.get(section), dict):
+            out[section].setdefault(key, before)
+    return out
+
 
 SECTIONS: dict[str, type] = {
     "data": DataConfig,

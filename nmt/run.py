@@ -34,8 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import yaml
-
 from nmt import NMTError
 from nmt.config import Config, TrainConfig
 from nmt.files import write_atomic
@@ -225,7 +223,7 @@ class RunDir:
         text = cfg.to_yaml()
         if self.config_file.is_file() and self.config_file.read_text(encoding="utf-8") != text:
             if self.checkpoints_dir.is_dir() and any(self.checkpoints_dir.iterdir()):
-                old = _flatten(yaml.safe_load(self.config_file.read_text(encoding="utf-8")) or {})
+                old = _flatten(self._stored_config())
                 new = _flatten(cfg.to_dict())
                 changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
                 fixed = [k for k in changed if not k.startswith(RESUMABLE)]
@@ -243,11 +241,17 @@ class RunDir:
         for name, f in models.items():
             write_atomic(self.tokenizer_dir / name, f.read_bytes())
 
+    def _stored_config(self) -> dict[str, Any]:
+        """config.yaml as written; an older nmt's lacks later keys, read as it ran them."""
+        from nmt import config
+
+        return config.as_it_ran(config.read_yaml(self.config_file))
+
     def saved_config(self, overrides: list[str]):
         """The run's own config.yaml with `overrides` on top (what a resumed run trains)."""
         from nmt import config
 
-        return config.load(self.config_file, overrides)
+        return config.from_dict(config.apply_overrides(self._stored_config(), overrides))
 
     # -- the writer lock ---------------------------------------------------------------------
     def check_not_written(self) -> None:

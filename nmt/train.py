@@ -366,7 +366,7 @@ def validation_loss(
     model: torch.nn.Module, split: EncodedSplit, cfg: Config, device, precision
 ) -> dict:
     """Mean NLL (and perplexity) per target token on a split, in fixed batches."""
-    batches = TokenBatches(split.src_lens, split.tgt_lens, cfg.train.batch_tokens, 0, shuffle=False)
+    batches = TokenBatches.of(split, cfg.train, shuffle=False)
     nll = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
     model.eval()
@@ -697,7 +697,7 @@ def train(
         if world.is_main:
             run.attach(cfg, prepared.tokenizer_files)
             split = prepared.split("train")
-            batches = TokenBatches(split.src_lens, split.tgt_lens, t.batch_tokens, t.seed)
+            batches = TokenBatches.of(split, t)
             reporter.prepared(prepared, batches.padding_fraction())
         distributed.join(world, device, t.dist_timeout_minutes)
         held.callback(distributed.leave, world)
@@ -722,15 +722,7 @@ def train_loop(
     vocab = Vocab(src_size=v["src"], tgt_size=v["tgt"], shared=v["joint"])
     trainee = build_trainee(cfg, vocab, device, precision, world)
     train_split = prepared.split("train")
-    batches = TokenBatches(
-        train_split.src_lens,
-        train_split.tgt_lens,
-        t.batch_tokens,
-        t.seed,
-        True,
-        world.rank,
-        world.size,
-    )
+    batches = TokenBatches.of(train_split, t, True, world.rank, world.size)
     progress = TrainProgress()
     if resumed is not None:
         progress = resume_from(run, trainee, batches, t, reporter)

@@ -6,10 +6,11 @@ What is measured
     under autocast, label-smoothed loss, backward), gradient clipping, Adam step, zero_grad.
   * Models at the sizes of recipes/multi30k/{seq2seq,rnn_attention,transformer}.yaml, freshly
     initialised with the same seed for every precision.
-  * Batches: the first --batches token-budget batches (the recipe's train.batch_tokens) of
-    epoch 0 of the prepared train split, in training order, collated once before timing; the
-    same list for every architecture, precision and system. tokens/s counts real target tokens
-    (EOS included, padding excluded), as the trainer's tokens_per_s does.
+  * Batches: the first --batches token-budget batches (the recipe's train.batch_tokens and
+    train.batch_multiple, or --set's) of epoch 0 of the prepared train split, in training
+    order, collated once before timing; the same list for every architecture, precision and
+    system. tokens/s counts real target tokens (EOS included, padding excluded), as the
+    trainer's tokens_per_s does.
   * --warmup steps are run first and not timed; then --repeats passes over the whole list are
     timed with time.perf_counter; the table shows the median pass (min and max in the JSON).
   * Machine peak: square --peak-size matmuls (torch.mm) in fp32 and bf16, median of
@@ -45,10 +46,14 @@ Commands (set torch to 2 threads; needs the prepared Multi30k data):
       python scripts/bench_model.py --json runs/bench_model.json
   # where the transformer's bf16 step goes (8 profiled steps after the timed ones):
   ... scripts/bench_model.py --archs transformer --precisions bf16 --hf off --profile 8
-  # what the memory of a training process holds: an epoch's batches, nmt alone, once (and
-  # the same with ONEDNN_PRIMITIVE_CACHE_CAPACITY=0: no oneDNN kernel kept)
-  ... scripts/bench_model.py --archs transformer --precisions bf16 --hf off --batches 335 \\
+  # what the memory of a training process holds: an epoch's batches (351; 400 takes them all),
+  # nmt alone, once (and the same with ONEDNN_PRIMITIVE_CACHE_CAPACITY=0: no kernel kept)
+  ... scripts/bench_model.py --archs transformer --precisions bf16 --hf off --batches 400 \\
       --warmup 0 --repeats 1 --memory
+  # the same epoch packed to the budget alone (train.batch_multiple=1, as before the key), its
+  # kernels made in an untimed first pass, then timed:
+  ... scripts/bench_model.py --archs transformer --precisions bf16 --hf off --batches 400 \\
+      --warmup 400 --repeats 1 --memory --set train.batch_multiple=1
   # smoke test (a few seconds; small batches, numbers not meaningful):
   ... scripts/bench_model.py --quick
 """
@@ -73,6 +78,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precisions", nargs="+", default=None, choices=bu.PRECISIONS)
     p.add_argument("--batches", type=int, default=16, help="training batches in the fixed list")
     p.add_argument("--batch-tokens", type=int, default=None, help="override train.batch_tokens")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe key, as `nmt train --set` (e.g. train.batch_multiple=1)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
     p.add_argument("--repeats", type=int, default=3, help="timed passes over the batch list")
     p.add_argument("--peak-size", type=int, default=2048)
@@ -115,9 +128,10 @@ def fixed_batches(cfg, n: int, batch_tokens: int):
 
     prepared = prepare(cfg)
     split = prepared.split("train")
-    order = TokenBatches(split.src_lens, split.tgt_lens, batch_tokens, cfg.train.seed).all_batches(
-        0
-    )
+    t = cfg.train
+    order = TokenBatches(
+        split.src_lens, split.tgt_lens, batch_tokens, t.seed, multiple=t.batch_multiple
+    ).all_batches(0)
     return prepared, [split.collate(idx) for idx in order[:n]]
 
 
@@ -199,9 +213,9 @@ def main(argv: list[str] | None = None) -> dict:
     flops_check: dict = {}
     rows: list[dict] = []
     for arch in args.archs:
-        cfg = bu.load_recipe(arch)
+        cfg = bu.load_recipe(arch, args.sets)
         budget = args.batch_tokens or cfg.train.batch_tokens
-        key = (budget,)
+        key = (budget, cfg.train.batch_multiple)
         if key not in batch_cache:
             batch_cache[key] = fixed_batches(cfg, args.batches, budget)
         prepared, batches = batch_cache[key]
@@ -257,6 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
                     else count_parameters(model),
                     "batches": len(batches),
                     "batch_tokens": budget,
+                    "batch_multiple": cfg.train.batch_multiple,
                     "tgt_tokens": tokens,
                 }
                 label = f"{system} {arch} {precision}"

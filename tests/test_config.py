@@ -185,6 +185,7 @@ INVALID_VALUES = [
     ({"train": {"lr": 0}}, "train.lr"),
     ({"train": {"lr": -1e-3}}, "train.lr"),
     ({"train": {"batch_tokens": 8}}, "train.batch_tokens"),
+    ({"train": {"batch_multiple": 0}}, "train.batch_multiple"),
     ({"train": {"label_smoothing": 1.0}}, "train.label_smoothing"),
     ({"train": {"max_steps": None}}, "train.max_steps"),
     ({"train": {"max_steps": 0}}, "train.max_steps"),
@@ -492,7 +493,7 @@ def test_length_norm_defaults_to_gnmt_and_reaches_the_search():
 def test_the_config_digest_names_a_config_as_before_the_later_options():
     """`nmt compare` names run folders by `Config.digest`: a config at the defaults of the
     options added since (decode.length_norm, decode.patience, train.max_tokens, deterministic, tf32,
-    dist_timeout_minutes) keeps the digest it had before they existed (the hash of its YAML
+    dist_timeout_minutes; batch_multiple at 1) keeps the digest it had before they existed (the hash of its YAML
     without those keys), so compare reuses runs made by earlier versions; another value of
     any of them changes it."""
     import hashlib
@@ -514,7 +515,28 @@ def test_the_config_digest_names_a_config_as_before_the_later_options():
         "train.deterministic=true",
         "train.tf32=false",
         "train.dist_timeout_minutes=30",
+        "train.batch_multiple=1",
         "decode.beam=2",
     ):
         assert config.replace(cfg, [change]).digest() != cfg.digest(), change
     assert re.fullmatch(r"[0-9a-f]{8}", cfg.digest())
+    # train.batch_multiple came with a new default (8): the runs made before it packed as 1
+    # does, so a config with 1 has the digest of that config before the key existed
+    one = config.replace(cfg, ["train.batch_multiple=1"])
+    del before["train"]["batch_multiple"]
+    text = yaml.safe_dump(before, sort_keys=False, allow_unicode=True)
+    assert one.digest() == hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def test_a_written_config_without_a_later_key_is_read_as_it_ran():
+    """`config.as_it_ran`: what a run's config.yaml from an older nmt lacks is read with the
+    value that nmt ran with, whatever the key's default is now; what it says is kept."""
+    written = from_dict(BASE).to_dict()
+    del written["train"]["batch_multiple"]
+    del written["decode"]["length_norm"]
+    cfg = from_dict(config.as_it_ran(written))
+    assert cfg.train.batch_multiple == 1 and from_dict(BASE).train.batch_multiple == 8
+    assert cfg.decode.length_norm == "gnmt"
+    assert "batch_multiple" not in written["train"]  # its argument is left as it was
+    written["train"]["batch_multiple"] = 16
+    assert from_dict(config.as_it_ran(written)).train.batch_multiple == 16

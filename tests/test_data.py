@@ -4,6 +4,7 @@ tokenizer, the prepared-data cache, token-budget batching, and `nmt prepare` on 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gzip
 import hashlib
@@ -844,6 +845,61 @@ def test_batches_never_exceed_the_token_budget(full_train, budget):
         # packing is not wasteful: most batches are more than half full
         fill = np.array([len(b) * cost[b].max() / budget for b in batches])
         assert np.median(fill) > 0.5
+
+
+def _heights(split, batches: list[np.ndarray]) -> tuple[set[int], set[int]]:
+    """The padded matrix heights (examples x positions) of each side's batches."""
+    src = {len(b) * (int(split.src_lens[b].max()) + 1) for b in batches}
+    tgt = {len(b) * (int(split.tgt_lens[b].max()) + 1) for b in batches}
+    return src, tgt
+
+
+@pytest.mark.parametrize("multiple", [8, 16])
+def test_batches_hold_a_multiple_of_examples_and_fewer_shapes(full_train, multiple):
+    """train.batch_multiple: every batch the budget cuts holds a multiple of it (the leftovers
+    begin the next batch); only the epoch's last batch in length order and batches of fewer
+    examples than the multiple may not. So both sides' heights are multiples of it, and an
+    epoch has far fewer distinct ones than packing to the budget alone: fewer kernels for
+    oneDNN to make and keep."""
+    src, tgt = full_train.src_lens, full_train.tgt_lens
+    budget = 1500
+    plain = TokenBatches(src, tgt, budget, seed=1, multiple=1, shuffle=False).epoch(0)
+    batches = TokenBatches(src, tgt, budget, seed=1, multiple=multiple, shuffle=False).epoch(0)
+    assert np.array_equal(np.sort(_all_indices(batches)), np.arange(len(src)))
+    for b in batches:
+        assert len(b) * max(src[b].max() + 1, tgt[b].max() + 1) <= budget
+    off = [k for k, b in enumerate(batches) if len(b) % multiple and len(b) >= multiple]
+    assert off in ([], [len(batches) - 1])
+    whole = [b for b in batches if len(b) % multiple == 0]
+    assert len(whole) > 0.9 * len(batches)  # the rest: the few of long sentences, and the last
+    src_h, tgt_h = _heights(full_train, whole)
+    assert all(h % multiple == 0 for h in src_h | tgt_h)
+    src_h, tgt_h = _heights(full_train, batches)
+    plain_src, plain_tgt = _heights(full_train, plain)
+    assert len(src_h | tgt_h) < 0.6 * len(plain_src | plain_tgt)
+    # the batches stay nearly as full: a few more of them for the same examples (this
+    # fixture's 500-word vocabulary makes long sentences: 16 gave 755 batches against 610)
+    assert len(plain) < len(batches) < {8: 1.15, 16: 1.3}[multiple] * len(plain)
+    # shuffled epochs too, and resumable: the same batches for the same (seed, epoch)
+    a = TokenBatches(src, tgt, budget, seed=5, multiple=multiple)
+    b = TokenBatches(src, tgt, budget, seed=5, multiple=multiple)
+    assert all(np.array_equal(x, y) for x, y in zip(a.epoch(2), b.epoch(2)))
+    assert sum(len(b) % multiple != 0 and len(b) >= multiple for b in a.epoch(2)) <= 1
+
+
+def test_batches_of_a_train_config_follow_its_keys(full_train):
+    """`TokenBatches.of`, what training, validation and `nmt prepare` build their batches
+    with, packs by the config's budget, seed and multiple (8 by default)."""
+    t = make_cfg({}).train
+    assert t.batch_multiple == 8
+    for multiple in (1, 8):
+        t2 = dataclasses.replace(t, batch_tokens=1500, batch_multiple=multiple, seed=4)
+        direct = TokenBatches(
+            full_train.src_lens, full_train.tgt_lens, 1500, seed=4, multiple=multiple
+        )
+        of = TokenBatches.of(full_train, t2)
+        assert all(np.array_equal(x, y) for x, y in zip(of.epoch(1), direct.epoch(1)))
+        assert len(of.epoch(1)) == len(direct.epoch(1))
 
 
 def test_collated_batches_respect_the_budget_and_measure_padding(full_train):

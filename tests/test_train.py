@@ -350,11 +350,7 @@ def test_the_last_epoch_ends_with_one_validation(tmp_path):
         "transformer", "train.max_steps=null", "train.max_epochs=1", "train.valid_bleu=false"
     )
     split = prepare(cfg).split("train")
-    steps = len(
-        TokenBatches(split.src_lens, split.tgt_lens, cfg.train.batch_tokens, cfg.train.seed).epoch(
-            0
-        )
-    )
+    steps = len(TokenBatches.of(split, cfg.train).epoch(0))
     cfg = config.replace(cfg, [f"train.valid_every={steps}", f"train.save_every={steps}"])
     result = train_api(cfg, tmp_path / "epoch")
     records = read_metrics(tmp_path / "epoch" / "metrics.jsonl")
@@ -727,7 +723,7 @@ def test_resume_at_an_epoch_boundary_with_accumulation_is_exact(tmp_path):
     sets = (
         "data.limit_train=300",
         "train.accumulate=2",
-        "train.batch_tokens=750",
+        "train.batch_tokens=650",
         "train.max_steps=null",
         "train.max_epochs=2",
         "train.valid_bleu=false",
@@ -736,7 +732,7 @@ def test_resume_at_an_epoch_boundary_with_accumulation_is_exact(tmp_path):
     )
     cfg = tiny("transformer", *sets)
     split = prepare(cfg).split("train")
-    n = len(TokenBatches(split.src_lens, split.tgt_lens, 750, cfg.train.seed).epoch(0))
+    n = len(TokenBatches.of(split, cfg.train).epoch(0))
     assert n % 2 == 1, n  # the epoch's last step has a single batch
     per_epoch = (n + 1) // 2
     whole = train_api(cfg, tmp_path / "whole")
@@ -747,6 +743,49 @@ def test_resume_at_an_epoch_boundary_with_accumulation_is_exact(tmp_path):
     assert rest.progress.step == 2 * per_epoch
     a, b = final_params(tmp_path / "whole"), final_params(tmp_path / "cut")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_run_written_before_batch_multiple_resumes_with_its_own_batches(tmp_path):
+    """An older nmt wrote config.yaml without train.batch_multiple and packed batches to the
+    budget alone. `--resume` reads the run as it ran (`config.as_it_ran`: multiple 1, not the
+    new default 8, which would pack this epoch's remaining batches otherwise): the weights
+    equal an uninterrupted run's bit for bit, and config.yaml now says 1."""
+    import yaml
+
+    sets = (
+        "data.limit_train=300",
+        "train.batch_tokens=750",
+        "train.valid_bleu=false",
+        "train.valid_every=1000",
+        "train.precision=fp32",
+        "train.batch_multiple=1",
+    )
+    whole = train_api(tiny("transformer", *sets, "train.max_steps=6"), tmp_path / "whole")
+    assert (whole.progress.epoch, whole.progress.step) == (0, 6)  # all within one epoch
+    train_api(tiny("transformer", *sets, "train.max_steps=3"), tmp_path / "old")
+    written = tmp_path / "old" / "config.yaml"
+    raw = yaml.safe_load(written.read_text(encoding="utf-8"))
+    del raw["train"]["batch_multiple"]
+    written.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    cfg = tiny("transformer", *sets[:-1])
+    split = prepare(cfg).split("train")
+    assert cfg.train.batch_multiple == 8
+    old = TokenBatches.of(split, config.replace(cfg, ["train.batch_multiple=1"]).train)
+    new = TokenBatches.of(split, cfg.train)
+    assert any(len(a) != len(b) for a, b in zip(old.epoch(0)[3:6], new.epoch(0)[3:6]))
+    res = run_cli(
+        "train",
+        str(TINY / "transformer.yaml"),
+        "--run-dir",
+        str(tmp_path / "old"),
+        "--resume",
+        "--set",
+        "train.max_steps=6",
+    )
+    assert res.returncode == 0, res.stderr
+    a, b = final_params(tmp_path / "whole"), final_params(tmp_path / "old")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert yaml.safe_load(written.read_text(encoding="utf-8"))["train"]["batch_multiple"] == 1
 
 
 def test_resume_cli_with_a_spent_budget_changes_nothing(tmp_path):

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     import datasets
     import pyarrow as pa
 
+    from nmt.config import TrainConfig
+
 
 @dataclass
 class Batch:
@@ -154,17 +156,26 @@ class EncodedSplit:
         )
 
 
-def pack(order: np.ndarray, costs: np.ndarray, budget: int) -> list[np.ndarray]:
-    """Greedily cut `order` (sorted by cost) into batches with size * max cost <= budget."""
+def pack(order: np.ndarray, costs: np.ndarray, budget: int, multiple: int = 1) -> list[np.ndarray]:
+    """Greedily cut `order` (sorted by cost) into batches with size * max cost <= budget.
+
+    With `multiple` > 1 a batch cut by the budget holds a multiple of `multiple` examples when
+    it holds at least that many; the examples left over begin the next batch (as fairseq's
+    --required-batch-size-multiple). Its padded sizes, examples x longest, are then
+    multiples of it too: fewer distinct matrix heights over an epoch, so fewer kernels that
+    oneDNN makes and keeps for each (and rows aligned for GPU matrix units)."""
     batches: list[np.ndarray] = []
     start, longest = 0, 0
     for pos, i in enumerate(order):
         c = int(costs[i])
-        new_longest = max(longest, c)
-        if pos > start and (pos - start + 1) * new_longest > budget:
-            batches.append(order[start:pos])
-            start, new_longest = pos, c
-        longest = new_longest
+        while pos > start and (pos - start + 1) * max(longest, c) > budget:
+            size = pos - start
+            if size >= multiple:
+                size -= size % multiple
+            batches.append(order[start : start + size])
+            start += size
+            longest = int(costs[order[start:pos]].max()) if pos > start else 0
+        longest = max(longest, c)
     if start < len(order):
         batches.append(order[start:])
     return batches
@@ -174,10 +185,11 @@ class TokenBatches:
     """The batches of each epoch for one rank.
 
     Each epoch: a random permutation from (seed, epoch) breaks ties, examples are sorted by
-    (source, target) length and packed to the token budget, then batch order is shuffled.
-    Every rank computes the same list and takes every `world`-th batch; the list is first
-    made divisible by `world` by splitting the largest batches, so each example appears
-    exactly once per epoch across ranks and every rank takes the same number of steps.
+    (source, target) length and packed to the token budget (in multiples of `multiple`
+    examples, see `pack`), then batch order is shuffled. Every rank computes the same list
+    and takes every `world`-th batch; the list is first made divisible by `world` by
+    splitting the largest batches, so each example appears exactly once per epoch across
+    ranks and every rank takes the same number of steps.
     """
 
     def __init__(
@@ -189,17 +201,40 @@ class TokenBatches:
         shuffle: bool = True,
         rank: int = 0,
         world: int = 1,
+        multiple: int = 1,
     ) -> None:
         self.src_lens = np.asarray(src_lens)
         self.tgt_lens = np.asarray(tgt_lens)
         self.costs = np.maximum(self.src_lens, self.tgt_lens) + 1
         self.batch_tokens = batch_tokens
         self.seed, self.shuffle, self.rank, self.world = seed, shuffle, rank, world
+        self.multiple = multiple
         if len(self.costs) < world:
             raise NMTError(
                 f"{len(self.costs)} examples cannot be shared by {world} ranks (every rank needs "
                 "one); use fewer processes"
             )
+
+    @classmethod
+    def of(
+        cls,
+        split: EncodedSplit,
+        t: TrainConfig,
+        shuffle: bool = True,
+        rank: int = 0,
+        world: int = 1,
+    ) -> TokenBatches:
+        """The batches of `split` as training packs them: `t`'s budget, seed and multiple."""
+        return cls(
+            split.src_lens,
+            split.tgt_lens,
+            t.batch_tokens,
+            t.seed,
+            shuffle,
+            rank,
+            world,
+            t.batch_multiple,
+        )
 
     def all_batches(self, epoch: int) -> list[np.ndarray]:
         """The whole epoch's batches (all ranks) in the order they are consumed."""
@@ -210,7 +245,7 @@ class TokenBatches:
             order = perm[np.lexsort((self.tgt_lens[perm], self.src_lens[perm]))]
         else:
             order = np.lexsort((np.arange(n), self.tgt_lens, self.src_lens))
-        batches = pack(order, self.costs, self.batch_tokens)
+        batches = pack(order, self.costs, self.batch_tokens, self.multiple)
         while len(batches) % self.world:
             largest = max(range(len(batches)), key=lambda k: len(batches[k]))
             half = len(batches[largest]) // 2
@@ -256,7 +291,14 @@ class TokenBatches:
         if saved_world == self.world:
             return consumed
         before = TokenBatches(
-            self.src_lens, self.tgt_lens, self.batch_tokens, self.seed, self.shuffle, 0, saved_world
+            self.src_lens,
+            self.tgt_lens,
+            self.batch_tokens,
+            self.seed,
+            self.shuffle,
+            0,
+            saved_world,
+            self.multiple,
         )
         share = consumed * saved_world / max(len(before.all_batches(epoch)), 1)
         mine = len(self.all_batches(epoch)) // self.world
