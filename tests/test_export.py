@@ -218,7 +218,9 @@ def test_ctranslate2_beam_search_finds_nmts_translations(runs, sources):
     the same translations. With plain normalisation (|y| ** alpha, |y| counting the EOS in
     both), CTranslate2 stops once 5 hypotheses finished and nmt only when none left could beat
     them: nmt's best is never worse, and on this model the two agree; scores are the same
-    normalised ones. n-best lists are as long."""
+    normalised ones, within the engines' arithmetic: CTranslate2's log-probabilities come out
+    a few 1e-4 higher a token (+0.0064 on 9 tokens, +0.0105 on 34, alpha 0), so relative to
+    the score's size, as the patience test below compares them. n-best lists are as long."""
     run = runs("pre-sinusoidal-tied")
     ours_engine, ct2 = nmt_engine(run), open_engine([run], "ctranslate2", CPU)
     lines = sources[:40]
@@ -228,8 +230,8 @@ def test_ctranslate2_beam_search_finds_nmts_translations(runs, sources):
         theirs = ct2.translate(lines, opts, 6000)
         assert texts(theirs) == texts(ours)
         for a, b in zip(ours, theirs):
-            assert b[0][1].score == pytest.approx(a[0][1].score, abs=0.01)
-            assert b[0][1].score <= a[0][1].score + 0.01
+            assert b[0][1].score == pytest.approx(a[0][1].score, rel=1e-3, abs=0.01)
+            assert b[0][1].score <= a[0][1].score + max(0.01, 1e-3 * abs(a[0][1].score))
             assert len(b) == len(a) == 3
 
 
