@@ -492,10 +492,10 @@ def test_length_norm_defaults_to_gnmt_and_reaches_the_search():
 
 def test_the_config_digest_names_a_config_as_before_the_later_options():
     """`nmt compare` names run folders by `Config.digest`: a config at the defaults of the
-    options added since (decode.length_norm, decode.patience, train.max_tokens, deterministic, tf32,
-    dist_timeout_minutes; batch_multiple at 1) keeps the digest it had before they existed (the hash of its YAML
-    without those keys), so compare reuses runs made by earlier versions; another value of
-    any of them changes it."""
+    options added since (decode.length_norm, decode.patience, train.max_tokens, deterministic,
+    tf32, dist_timeout_minutes; batch_multiple at 1, its value before) keeps the digest it had
+    before they existed (the hash of its YAML without those keys), so compare reuses runs made
+    by earlier versions; another value of any of them changes it."""
     import hashlib
 
     import yaml
