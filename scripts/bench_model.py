@@ -121,17 +121,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def fixed_batches(cfg, n: int, batch_tokens: int):
-    """The first `n` batches of epoch 0 of the prepared train split, collated."""
+def fixed_batches(cfg, n: int):
+    """The first `n` batches of epoch 0 of the prepared train split, collated, packed as
+    training packs them (`TokenBatches.of`: the config's budget, seed and multiple)."""
     from nmt.data.batching import TokenBatches
     from nmt.data.prepare import prepare
 
     prepared = prepare(cfg)
     split = prepared.split("train")
-    t = cfg.train
-    order = TokenBatches(
-        split.src_lens, split.tgt_lens, batch_tokens, t.seed, multiple=t.batch_multiple
-    ).all_batches(0)
+    order = TokenBatches.of(split, cfg.train).all_batches(0)
     return prepared, [split.collate(idx) for idx in order[:n]]
 
 
@@ -213,11 +211,12 @@ def main(argv: list[str] | None = None) -> dict:
     flops_check: dict = {}
     rows: list[dict] = []
     for arch in args.archs:
-        cfg = bu.load_recipe(arch, args.sets)
-        budget = args.batch_tokens or cfg.train.batch_tokens
-        key = (budget, cfg.train.batch_multiple)
+        budget_set = [f"train.batch_tokens={args.batch_tokens}"] if args.batch_tokens else []
+        cfg = bu.load_recipe(arch, [*budget_set, *args.sets])
+        budget = cfg.train.batch_tokens
+        key = (budget, cfg.train.seed, cfg.train.batch_multiple)
         if key not in batch_cache:
-            batch_cache[key] = fixed_batches(cfg, args.batches, budget)
+            batch_cache[key] = fixed_batches(cfg, args.batches)
         prepared, batches = batch_cache[key]
         vocab = bu.vocab_of(prepared)
         tokens = sum(b.tgt_tokens for b in batches)
