@@ -248,6 +248,14 @@ class BatchStream:
 SUPPRESSED = [["<pad>"], ["<s>"]]  # nmt never generates PAD or BOS
 
 
+def ct2_search(opts: SearchOptions) -> SearchOptions:
+    """The search CTranslate2 runs when `CT2Engine` is asked for `opts`, as nmt's options:
+    CTranslate2 has no exact stopping rule, so nmt's default (patience None) becomes patience
+    1. nmt decoding with these options and CTranslate2 decoding with `opts` run the same search
+    (up to the rounding of their scores); `scripts/bench_decode.py` compares their speed so."""
+    return dataclasses.replace(opts, patience=1.0 if opts.patience is None else opts.patience)
+
+
 class CT2Engine:
     """CTranslate2 on the run's export in `quantization` (`nmt.export.ctranslate2_for_decoding`:
     made once, again when the run's checkpoint changes)."""
@@ -326,8 +334,7 @@ class CT2Engine:
         beam = 1 if opts.sample else opts.beam
         kwargs: dict[str, Any] = {
             "beam_size": beam,
-            # CTranslate2 has no exact stopping rule: its default for nmt's (patience None)
-            "patience": 1 if opts.patience is None else opts.patience,
+            "patience": ct2_search(opts).patience,
             "num_hypotheses": min(opts.nbest, beam),
             # greedy: raw log-probabilities, normalised here as nmt normalises them
             "length_penalty": opts.length_penalty if beam > 1 else 0.0,

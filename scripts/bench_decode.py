@@ -12,10 +12,11 @@ What is measured
     (stable) and cut into batches of --batch-size sentences (default 64), built once before
     timing; every system decodes the same batches.
   * nmt: `nmt.translate.decode_batches` (what `nmt translate` runs on its batches) with the
-    run's (or recipe's) decode settings, beam --beam (default 5) or greedy, in each of
-    --precisions (default fp32, bf16 where the CPU has native bf16, int8 where torch runs its
-    fbgemm int8 kernels: `nmt translate --precision int8`; the ratio table sets nmt int8
-    against CTranslate2 int8).
+    run's (or recipe's) decode settings (a run's beam search also with CTranslate2's: --search
+    below), beam --beam (default 5) or greedy, in each of --precisions (default fp32, bf16
+    where the CPU has native bf16, int8 where torch runs its fbgemm int8 kernels: `nmt
+    translate --precision int8`; the ratio table sets each against CTranslate2 of its
+    precision, or fp32, and against CTranslate2 int8).
     It decodes --workers batches at once (default 0 = auto, as `nmt translate`: 2 workers of
     1 intra-op thread each on 2 threads), in inference mode, on the model's weights packed
     for oneDNN. Like `nmt translate`, which packs them once per input, the benchmark packs
@@ -49,11 +50,19 @@ What is measured
     int8_float32 and int8_bfloat16, decoded through `nmt.engine.CT2Engine` (what `nmt translate
     --engine ctranslate2` runs: nmt's length limit per sentence, its beam, n-best 1, PAD and BOS
     never generated) on the same sentences, beam --beam or greedy, length_norm plain (CTranslate2
-    normalises by |y| ** alpha; nmt's rows keep the run's setting), CTranslate2 batches of about
+    normalises by |y| ** alpha), CTranslate2 batches of about
     --batch-size sentences (batch_tokens = batch size x mean source length x beam),
     inter_threads = W from --peer-workers, intra_threads = --threads / W. These rows are peers:
     they run under both process settings (--peer-host) and a second table gives nmt's speed over
     its own model's CTranslate2 speed.
+  * The search of a run's nmt rows (--search): "run", the run's decode settings (nmt translate's
+    default: with patience null the exact stopping rule, which decodes a sentence until no live
+    hypothesis can beat its K-th finished one); "ct2", the search its CTranslate2 rows run
+    (`nmt.engine.ct2_search`: length_norm plain, patience 1 where the run's is null, the rule
+    CTranslate2 and fairseq stop by), so that nmt and CTranslate2 do the same work; "both"
+    (default). Greedy search is the same search either way: its rows say "run". The table of
+    nmt against its own model's CTranslate2 sets every CTranslate2 row against the nmt rows of
+    each search.
   * --profile BATCHES: after nmt's timed passes, BATCHES batches decoded one at a time (in the
     timing thread, with --threads intra-op threads) under torch.profiler: each operator's own
     time summed by kind (matrix products, casts, softmax, search: top-k and reordering,
@@ -77,7 +86,8 @@ Commands:
   # trained runs, free decoding and fixed length:
   ... scripts/bench_decode.py --run runs/multi30k_transformer --run runs/multi30k_rnn_attention
   ... scripts/bench_decode.py --run runs/multi30k_transformer --fixed-len 20
-  # a trained run next to its own CTranslate2 exports (int8, int8_float32, float32, ...):
+  # a trained run next to its own CTranslate2 exports (int8, int8_float32, float32, ...), nmt's
+  # beam rows with the run's search and with CTranslate2's:
   ... scripts/bench_decode.py --run runs/multi30k_transformer --modes greedy beam
   # where beam search's time goes, bf16, 4 batches of 64 (peers off):
   ... scripts/bench_decode.py --archs transformer --modes beam --precisions bf16 --hf off \\
@@ -137,6 +147,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("auto", "off"),
         default="auto",
         help="--run models exported to CTranslate2 (auto: when ctranslate2 is importable)",
+    )
+    p.add_argument(
+        "--search",
+        choices=("run", "ct2", "both"),
+        default="both",
+        help="a run's nmt beam rows: its decode settings, the search its CTranslate2 rows run "
+        "(length_norm plain, patience 1 where null), or both (default)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
@@ -301,6 +318,7 @@ def row_of(
     steps,
     out_len,
     host: str = "nmt",
+    search: str = "run",
 ) -> dict:
     med = bu.median(times)
     row = {
@@ -310,6 +328,7 @@ def row_of(
         "precision": precision,
         "workers": workers,
         "host": host,
+        "search": search,
         "sentences": n,
         "decoder_steps": steps,
         "mean_output_tokens": out_len,
@@ -319,6 +338,8 @@ def row_of(
         "pass_seconds": times,
     }
     where = "" if host == "nmt" else f" ({host} process settings)"
+    if search != "run":
+        where += f" ({search} search)"
     print(
         f"  {system} {name} {mode} {precision} x{workers}{where}: "
         f"{row['sentences_per_s']:,.1f} sent/s"
@@ -326,16 +347,35 @@ def row_of(
     return row
 
 
-def bench_nmt(subject: Subject, mode: str, precision: str, args) -> dict:
-    from nmt.models.base import fixed_weights
-    from nmt.translate import decode_batches, decode_workers, search_options
+def searches(subject: Subject, mode: str, args) -> list[str]:
+    """The searches (--search) nmt decodes `subject` with in `mode`: the run's settings, and
+    CTranslate2's for a trained run's beam search in free decoding (greedy search and
+    fixed-length decoding are the same search in both)."""
+    if not subject.run or mode != "beam" or args.fixed_len:
+        return ["run"]
+    return ["run", "ct2"] if args.search == "both" else [args.search]
 
+
+def nmt_options(subject: Subject, mode: str, search: str, args):
+    """The SearchOptions of an nmt row: the run's decode settings, or with search "ct2" the
+    search CTranslate2 runs for them (`bench_ct2_run` asks it for length_norm plain)."""
+    from nmt.engine import ct2_search
+    from nmt.translate import search_options
+
+    d = subject.cfg.decode
+    if search == "ct2":
+        d = dataclasses.replace(d, length_norm="plain")
     opts = search_options(
-        subject.cfg.decode,
-        beam=args.beam if mode == "beam" else 1,
-        nbest=1,
-        fixed_len=args.fixed_len or None,
+        d, beam=args.beam if mode == "beam" else 1, nbest=1, fixed_len=args.fixed_len or None
     )
+    return ct2_search(opts) if search == "ct2" else opts
+
+
+def bench_nmt(subject: Subject, mode: str, precision: str, args, search: str = "run") -> dict:
+    from nmt.models.base import fixed_weights
+    from nmt.translate import decode_batches, decode_workers
+
+    opts = nmt_options(subject, mode, search, args)
     batches = make_batches(subject.sources, args.batch_size)
     device = torch.device("cpu")
     model = subject.model.eval()
@@ -361,6 +401,7 @@ def bench_nmt(subject: Subject, mode: str, precision: str, args) -> dict:
         len(subject.sources),
         steps,
         float(np.mean(lengths)),
+        search=search,
     )
     if profile:
         row["profile"] = profile
@@ -486,7 +527,17 @@ def bench_ct2_run(subject: Subject, mode: str, compute_type: str, workers: int, 
     host = "default" if args.peers_only else "nmt"
     n = len(subject.sources)
     return row_of(
-        "ctranslate2-run", subject.name, mode, precision, workers, times, n, None, out_len, host
+        "ctranslate2-run",
+        subject.name,
+        mode,
+        precision,
+        workers,
+        times,
+        n,
+        None,
+        out_len,
+        host,
+        "ct2" if mode == "beam" else "run",
     )
 
 
@@ -533,7 +584,8 @@ def main(argv: list[str] | None = None) -> dict:
     for subject in [] if args.peers_only else subjects:
         for mode in args.modes:
             for precision in args.precisions:
-                rows.append(bench_nmt(subject, mode, precision, args))
+                for search in searches(subject, mode, args):
+                    rows.append(bench_nmt(subject, mode, precision, args, search))
         gc.collect()
 
     transformer = next((s for s in subjects if s.arch == "transformer"), subjects[0])
@@ -649,6 +701,12 @@ def main(argv: list[str] | None = None) -> dict:
                     entry[key] = match["sentences_per_s"]
                     entry[f"{key}_precision"] = match["precision"]
                     entry[f"nmt_over_{key}"] = row["sentences_per_s"] / match["sentences_per_s"]
+                # CTranslate2's int8 is the production reference on CPU: every precision of
+                # nmt against it
+                int8 = next((r for r in same if r["precision"] == "int8"), None)
+                if system == "ctranslate2" and int8:
+                    entry["ct2_int8"] = int8["sentences_per_s"]
+                    entry["nmt_over_ct2_int8"] = row["sentences_per_s"] / int8["sentences_per_s"]
             if len(entry) > 6:
                 ratios.append(entry)
 
@@ -662,6 +720,7 @@ def main(argv: list[str] | None = None) -> dict:
             ("precision", "prec"),
             ("workers", "workers"),
             ("host", "settings"),
+            ("search", "search"),
             ("sentences_per_s", "sent/s"),
             ("sentences_per_s_min", "min"),
             ("sentences_per_s_max", "max"),
@@ -686,6 +745,8 @@ def main(argv: list[str] | None = None) -> dict:
                 ("ct2", "CT2 sent/s"),
                 ("ct2_precision", "CT2 prec"),
                 ("nmt_over_ct2", "nmt/CT2"),
+                ("ct2_int8", "CT2 int8 sent/s"),
+                ("nmt_over_ct2_int8", "nmt/CT2 int8"),
             ],
             title=f"nmt transformer ({transformer.name}) vs HF generate and CTranslate2 (same batches)",
         )
@@ -705,6 +766,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "mode": row["mode"],
                         "precision": mine["precision"],
                         "nmt": mine["sentences_per_s"],
+                        "nmt_search": mine["search"],
                         "nmt_workers": mine["workers"],
                         "ct2_compute": row["precision"],
                         "ct2": row["sentences_per_s"],
@@ -720,6 +782,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ("model", "model"),
                 ("mode", "mode"),
                 ("precision", "nmt prec"),
+                ("nmt_search", "nmt search"),
                 ("nmt_workers", "nmt workers"),
                 ("nmt", "nmt sent/s"),
                 ("ct2_compute", "CT2 compute"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -82,3 +83,44 @@ def test_memory_figures_count_a_live_tensor_as_in_use_and_resident():
     assert live["heap_in_use_mb"] - before["heap_in_use_mb"] >= 399
     assert abs(after["heap_in_use_mb"] - before["heap_in_use_mb"]) < 10
     assert live["rss_mb"] - before["rss_mb"] >= 390 - before["heap_free_mb"], (before, live)
+
+
+def test_bench_decode_times_nmt_on_the_search_its_ctranslate2_rows_run():
+    """A run's beam rows: the run's settings ("run") and the search CTranslate2 decodes it
+    with ("ct2": length_norm plain and patience 1 where the run's is null, which
+    `nmt.engine.CT2Engine.options` passes), a run's own patience kept; greedy search and
+    fixed-length decoding are one search, and models without a run have no CTranslate2 rows."""
+    import bench_decode as bd
+
+    from nmt.config import Config, DecodeConfig
+    from nmt.engine import CT2Engine
+
+    cfg = Config()
+    subject = bd.Subject("run", "transformer", None, cfg, None, [], [], run="RUN")
+    args = bd.parse_args(["--run", "RUN"])
+    assert args.search == "both"
+    assert bd.searches(subject, "beam", args) == ["run", "ct2"]
+    assert bd.searches(subject, "greedy", args) == ["run"]
+    assert bd.searches(dataclasses.replace(subject, run=None), "beam", args) == ["run"]
+    assert bd.searches(subject, "beam", bd.parse_args(["--run", "RUN", "--fixed-len", "20"])) == [
+        "run"
+    ]
+    assert bd.searches(subject, "beam", bd.parse_args(["--run", "RUN", "--search", "ct2"])) == [
+        "ct2"
+    ]
+
+    run = bd.nmt_options(subject, "beam", "run", args)
+    assert (run.length_norm, run.patience, run.beam) == ("gnmt", None, 5)
+    ct2 = bd.nmt_options(subject, "beam", "ct2", args)
+    assert (ct2.length_norm, ct2.patience, ct2.beam) == ("plain", 1.0, 5)
+    assert dataclasses.replace(ct2, length_norm="gnmt", patience=None) == run
+    # what CTranslate2 is asked for when it decodes the run (bench_ct2_run: length_norm plain)
+    engine = object.__new__(CT2Engine)  # options() reads no model for beam search
+    asked = engine.options(dataclasses.replace(run, length_norm="plain"))
+    assert asked["patience"] == ct2.patience and asked["beam_size"] == ct2.beam
+
+    patient = dataclasses.replace(cfg, decode=DecodeConfig(patience=2.0))
+    patient_run = dataclasses.replace(subject, cfg=patient)
+    assert bd.nmt_options(patient_run, "beam", "ct2", args).patience == 2.0
+    greedy = bd.nmt_options(subject, "greedy", "run", args)
+    assert greedy.beam == 1
