@@ -676,3 +676,33 @@ def test_fixed_weights_last_for_their_scope_only():
         # A fused optimizer step moves no version counter: only the scope guards the copies.
         layer(x).square().sum().backward()
         optimizer.step()
+
+
+@pytest.mark.parametrize("keys", [1, 2, 6, 7, 12])
+@pytest.mark.parametrize("queries", [1, 5])
+def test_a_small_attention_step_sums_products_as_the_batched_one(keys, queries, monkeypatch):
+    """`attend_step` in fp32 on CPU: where its products are below ATen's scalar-loop size
+    (queries x keys x 64 < 400: one query against up to 6 cached positions) it takes
+    `small_attend_step`, with the batched products' values up to summation order (masked
+    positions too); larger ones, and bf16, take the batched products."""
+    import nmt.models.transformer as tr
+
+    g = torch.Generator().manual_seed(keys * 10 + queries)
+    q = torch.randn(8, 4, queries, 64, generator=g)
+    k, v = torch.randn(2, 8, 4, keys, 64, generator=g)
+    mask = torch.ones(8, 1, 1, keys, dtype=torch.bool)
+    mask[0, ..., keys - 1 :] = keys == 1  # a masked position unless it is the only one
+    calls = []
+    small = tr.small_attend_step
+    monkeypatch.setattr(tr, "small_attend_step", lambda *a: calls.append(1) or small(*a))
+    y, w = tr.attend_step(q, k, v, mask)
+    assert bool(calls) == (queries * keys * 64 < tr.SMALL_PRODUCT)
+    monkeypatch.setattr(tr, "SMALL_PRODUCT", 0)  # the batched products for every size
+    y_ref, w_ref = tr.attend_step(q, k, v, mask)
+    assert len(calls) <= 1 and y.shape == y_ref.shape and w.shape == w_ref.shape
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=0)
+    torch.testing.assert_close(y, y_ref, atol=3e-6, rtol=0)
+    assert (w[0, :, :, keys - 1] == 0).all() == (keys > 1)
+    monkeypatch.setattr(tr, "SMALL_PRODUCT", 400)
+    tr.attend_step(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
+    assert len(calls) <= 1  # bf16 rounds each product: never the summed broadcast
