@@ -85,8 +85,9 @@ def attend_step(
     """
     b, h, tq, dh = q.shape
     s = k.size(2)
-    small = tq * s * dh < SMALL_PRODUCT and q.dtype == torch.float32 and q.device.type == "cpu"
-    if small and not torch.compiler.is_compiling():
+    # compiled code asks nothing of its shapes here: a size compared would guard its graphs
+    eager_cpu = not torch.compiler.is_compiling() and q.device.type == "cpu"
+    if eager_cpu and q.dtype == torch.float32 and tq * s * dh < SMALL_PRODUCT:
         return small_attend_step(q, k, v, mask)
     keys = k.reshape(b * h, s, dh).transpose(1, 2)
     # baddbmm's input, ignored with beta=0 on CPU and CUDA; zeros, not empty memory, because
