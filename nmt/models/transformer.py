@@ -112,10 +112,10 @@ def small_attend_step(
 ) -> tuple[Tensor, Tensor]:
     """`attend_step` in fp32 on CPU where its products are small enough for ATen's scalar
     loop: a query against the first 6 positions of a cache of 64-wide heads (the first steps
-    of fp32 and int8 decoding, whose caches grow by one position; in bf16 they grow by 8). Broadcast products summed instead, the
-    same softmax: 1 thread, 200 hypotheses x 4 heads in fp32, 84 against 222 us at 1 position,
-    221 against 625 us at 4, 265 against 718 us at 6. The same values up to the summation
-    order (outputs within 1.1e-6, weights within 3e-7)."""
+    of fp32 and int8 decoding, whose caches grow by one position; in bf16 they grow by 8).
+    Broadcast products summed instead, the same softmax: 1 thread, 200 hypotheses x 4 heads,
+    84 against 222 us at 1 position, 221 against 625 us at 4, 265 against 718 us at 6. The
+    same values up to the summation order (outputs within 1.1e-6, weights within 3e-7)."""
     dh = q.size(-1)
     scores = (q[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1) * dh**-0.5  # [B,H,Tq,S]
     if mask is not None:
