@@ -703,8 +703,10 @@ def main(argv: list[str] | None = None) -> dict:
                     entry[f"nmt_over_{key}"] = row["sentences_per_s"] / match["sentences_per_s"]
                 # CTranslate2's int8 is the production reference on CPU: every precision of
                 # nmt against it
-                int8 = next((r for r in same if r["precision"] == "int8"), None)
-                if system == "ctranslate2" and int8:
+                int8 = None
+                if system == "ctranslate2":
+                    int8 = next((r for r in same if r["precision"] == "int8"), None)
+                if int8:
                     entry["ct2_int8"] = int8["sentences_per_s"]
                     entry["nmt_over_ct2_int8"] = row["sentences_per_s"] / int8["sentences_per_s"]
             if len(entry) > 6:

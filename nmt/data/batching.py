@@ -9,6 +9,7 @@ the budget unless a single example does.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,16 +291,8 @@ class TokenBatches:
         cut for the world, so this is approximate)."""
         if saved_world == self.world:
             return consumed
-        before = TokenBatches(
-            self.src_lens,
-            self.tgt_lens,
-            self.batch_tokens,
-            self.seed,
-            self.shuffle,
-            0,
-            saved_world,
-            self.multiple,
-        )
+        before = copy.copy(self)  # the same batches, cut for the saved world
+        before.rank, before.world = 0, saved_world
         share = consumed * saved_world / max(len(before.all_batches(epoch)), 1)
         mine = len(self.all_batches(epoch)) // self.world
         return min(mine, round(share * mine))
