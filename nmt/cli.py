@@ -371,6 +371,7 @@ def translate(
     """Translate lines from --input or stdin: one line per input line (with --nbest N, N lines
     `i ||| text ||| score` per input line). Several runs decode as an ensemble."""
     from nmt import config
+    from nmt.decode_process import helping
     from nmt.engine import open_engine
     from nmt.files import replacing
     from nmt.metrics import read_text_lines, text_lines
@@ -416,7 +417,8 @@ def translate(
     decoder.check(opts)
 
     def emit(lines: list[str], sink) -> None:
-        results = decoder.translate(lines, opts, d.batch_tokens, tick, d.workers)
+        with helping(decoder, len(lines), opts, d.workers):  # many lines: child processes
+            results = decoder.translate(lines, opts, d.batch_tokens, tick, d.workers)
         for i, nbest_list in enumerate(results):
             if d.nbest > 1:
                 for text, hyp in nbest_list:

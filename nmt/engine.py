@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from torch import Tensor
 
 from nmt import NMTError
 from nmt.config import Config
@@ -54,6 +55,8 @@ from nmt.models.base import fixed_weights
 from nmt.search import BeamStream, Hypothesis, SearchOptions, length_limits, length_penalty
 from nmt.special import EOS_ID
 from nmt.translate import (
+    Helper,
+    decode_batch,
     decode_workers,
     load_models,
     model_facts,
@@ -131,6 +134,9 @@ class NMTEngine:
     arch: str
     facts: dict[str, Any]
     name: str = "nmt"
+    # decoders of whole batches in other processes, which `translate` hands batches to
+    # (`nmt.decode_process.helping` sets them for the scope of a command's decoding)
+    helpers: list[Helper] = dataclasses.field(default_factory=list)
 
     def check(self, opts: SearchOptions) -> None:
         pass
@@ -159,7 +165,13 @@ class NMTEngine:
             self.precision,
             progress,
             workers,
+            self.helpers,
         )
+
+    def search(self, src: Tensor, opts: SearchOptions) -> list[list[Hypothesis]]:
+        """Search one batch of token ids src[B,S] as `translate` searches each of its batches
+        (a helper's child process does it for `translate` in another process)."""
+        return decode_batch(self.model, src, opts, self.device, self.precision)
 
     def stream(self, opts: SearchOptions) -> NMTStream:
         return NMTStream(self, opts)

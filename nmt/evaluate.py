@@ -13,6 +13,7 @@ import torch
 
 from nmt import config
 from nmt.data.prepare import prepare
+from nmt.decode_process import helping
 from nmt.engine import open_engine
 from nmt.files import write_lines
 from nmt.run import RunDir
@@ -59,7 +60,8 @@ def translate_split(
     data = prepared.split(name)
     sources = data.texts("src")  # encoded with the run's own tokenizer, not the cache's
     tick = progress(len(sources)) if progress is not None else None
-    results = decoder.translate(sources, opts, d.batch_tokens, tick, d.workers)
+    with helping(decoder, len(sources), opts, d.workers):  # many lines: child processes
+        results = decoder.translate(sources, opts, d.batch_tokens, tick, d.workers)
     hyps = [nbest[0][0] if nbest else "" for nbest in results]
     tag = ""
     if len(decoder.checkpoints) > 1:

@@ -5,7 +5,9 @@ compare` decode with (scoring: `nmt.metrics`; a prepared split: `nmt.evaluate`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -210,21 +212,54 @@ def intra_op_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+# A decoder of whole batches elsewhere (another process): helper(src, opts) returns what
+# `decode_batch` returns for src, or raises `HelperUnavailable` (`map_in_workers`)
+Helper = Callable[[Tensor, SearchOptions], list[list[Hypothesis]]]
+
+
+class HelperUnavailable(Exception):
+    """A helper cannot decode (its process could not start, or ended): the batch it was
+    given is decoded by the thread that called it, and so are that thread's next ones."""
+
+
 def map_in_workers(
     fn: Callable[[Any], Any],
     items: list,
     workers: int,
     done: Callable[[Any], None] | None = None,
     stop: threading.Event | None = None,
+    helpers: list[Callable[[Any], Any]] | None = None,
 ) -> list:
     """[fn(x) for x in items], `workers` items at once in threads that split torch's intra-op
     threads between them (one at a time for 1); done(x) after each result, in item order.
+    With `helpers` (at most workers - 1 are used), a thread that takes a helper at its first
+    item calls helper(x) instead of fn(x) for all its items (fn(x) once the helper raises
+    `HelperUnavailable`); the items go to whichever thread is free, so a helper that is slow
+    to start takes fewer.
     On an error or Ctrl-C the items not started are dropped, and `stop` is set (as soon as
     any item fails, whichever) before the running ones are waited for: an fn that watches it
     (a search does, at every step) ends early, so Ctrl-C stops a decode at once instead of
     after the batches in flight (~1 s). The first error an item raised is raised, not the
     stops it caused in the others."""
     results = []
+    spare: queue.SimpleQueue = queue.SimpleQueue()  # helpers no thread has taken yet
+    for helper in (helpers or [])[: max(0, workers - 1)]:
+        spare.put(helper)
+    mine = threading.local()  # a thread's helper, None for none
+
+    def work(x: Any) -> Any:
+        if not hasattr(mine, "helper"):
+            try:
+                mine.helper = spare.get_nowait()
+            except queue.Empty:
+                mine.helper = None
+        if mine.helper is not None:
+            try:
+                return mine.helper(x)
+            except HelperUnavailable:
+                mine.helper = None
+        return fn(x)
+
     if workers == 1:
         for x in items:
             results.append(fn(x))
@@ -241,7 +276,7 @@ def map_in_workers(
 
     with intra_op_threads(max(1, torch.get_num_threads() // workers)):
         pool = ThreadPoolExecutor(workers, thread_name_prefix="nmt-decode")
-        futures = [pool.submit(fn, x) for x in items]
+        futures = [pool.submit(work, x) for x in items]
         for future in futures:
             future.add_done_callback(on_done)
         try:
@@ -261,6 +296,20 @@ def map_in_workers(
     return results
 
 
+def decode_batch(
+    model: torch.nn.Module,
+    src: Tensor,
+    opts: SearchOptions,
+    device: torch.device,
+    precision: str,
+    stop: threading.Event | None = None,
+) -> list[list[Hypothesis]]:
+    """Search one batch src[B,S] (EOS-terminated, PAD-padded) in `precision` on `device`."""
+    src = src.to(device)
+    with autocast(device, precision):  # thread-local, as is search's inference mode
+        return search(model, src, source_mask(src), opts, stop)
+
+
 def decode_batches(
     model: torch.nn.Module,
     batches: list[Tensor],
@@ -269,6 +318,7 @@ def decode_batches(
     precision: str,
     workers: int = 0,
     progress: Callable[[int], None] | None = None,
+    helpers: list[Helper] | None = None,
 ) -> list[list[list[Hypothesis]]]:
     """Search every batch src[B,S] (EOS-terminated, PAD-padded); results in batch order.
 
@@ -279,29 +329,33 @@ def decode_batches(
     transformer, 2 cores, 1,024 sentences in batches of 64, in one process: 1 worker x 2
     threads 110-113 sentences/s in fp32, 152-165 in bf16; 2 workers x 1 thread 122-126 and
     196-198, the same outputs (3 workers: 116-123 / 190-196). Each batch is searched as it
-    would be alone; the weights are packed once for all of them.
+    would be alone; the weights are packed once for all of them. With `helpers` (decoders
+    in other processes: `nmt.decode_process.helping`), all but one of the workers hand
+    their batches to a helper each, so that only one search takes turns at this process'
+    interpreter lock.
     """
     model.eval()
     stop = threading.Event()  # set on an error or Ctrl-C: the batches in flight end early
 
     def run(src: Tensor) -> list[list[Hypothesis]]:
-        src = src.to(device)
-        with autocast(device, precision):  # thread-local, as is search's inference mode
-            return search(model, src, source_mask(src), opts, stop)
+        return decode_batch(model, src, opts, device, precision, stop)
 
     done = (lambda src: progress(src.size(0))) if progress else None
     n_workers = decode_workers(workers, device, len(batches))
     threads = max(1, torch.get_num_threads() // n_workers)
     log.debug(
-        "decoding %d batch(es) on %s in %s, %d at once, %d thread(s) each",
+        "decoding %d batch(es) on %s in %s, %d at once, %d thread(s) each, %d in helpers",
         len(batches),
         device,
         precision,
         n_workers,
         threads,
+        min(len(helpers or ()), n_workers - 1),
     )
+    # a helper searches with these options (map_in_workers calls helper(src))
+    bound = [functools.partial(helper, opts=opts) for helper in helpers or ()]
     with fixed_weights(model):
-        return map_in_workers(run, batches, n_workers, done, stop)
+        return map_in_workers(run, batches, n_workers, done, stop, bound)
 
 
 def source_batch(sources: list[list[int]]) -> Tensor:
@@ -327,6 +381,7 @@ def decode_ids(
     precision: str,
     progress: Callable[[int], None] | None = None,
     workers: int = 0,
+    helpers: list[Helper] | None = None,
 ) -> list[list[Hypothesis]]:
     """Decode token-id sources (without EOS) in length-sorted batches of at most
     `batch_tokens` source positions x beam; results in input order."""
@@ -335,7 +390,7 @@ def decode_ids(
     groups = pack(order, lengths * opts.beam, batch_tokens)
     batches = [source_batch([sources[i] for i in idx]) for idx in groups]
     results: list[list[Hypothesis]] = [[] for _ in sources]
-    decoded = decode_batches(model, batches, opts, device, precision, workers, progress)
+    decoded = decode_batches(model, batches, opts, device, precision, workers, progress, helpers)
     for idx, hyps in zip(groups, decoded):
         for i, nbest in zip(idx, hyps):
             results[int(i)] = nbest
@@ -352,12 +407,14 @@ def translate_lines(
     precision: str,
     progress: Callable[[int], None] | None = None,
     workers: int = 0,
+    helpers: list[Helper] | None = None,
 ) -> list[list[tuple[str, Hypothesis]]]:
-    """n-best (text, hypothesis) per input line; empty lines give an empty list."""
+    """n-best (text, hypothesis) per input line; empty lines give an empty list. `helpers`:
+    see `decode_batches`."""
     stripped = [line.strip() for line in lines]
     todo = [i for i, line in enumerate(stripped) if line]
     ids = tokenizer.encode_src([stripped[i] for i in todo])
-    hyps = decode_ids(model, ids, opts, batch_tokens, device, precision, progress, workers)
+    hyps = decode_ids(model, ids, opts, batch_tokens, device, precision, progress, workers, helpers)
     out: list[list[tuple[str, Hypothesis]]] = [[] for _ in lines]
     for i, nbest in zip(todo, hyps):
         texts = tokenizer.decode_tgt([h.tokens for h in nbest])

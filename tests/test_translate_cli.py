@@ -666,6 +666,88 @@ def test_workers_split_the_threads(run):
     assert two.stdout == one.stdout
 
 
+def test_many_lines_decode_in_a_child_process_as_in_threads(run, multi30k_dir, tmp_path):
+    """From `HELPER_LINES` lines, the second decoding worker hands its batches to a child
+    process (`nmt.decode_process.helping`): it decodes some of them (debug log), and the
+    output is line for line what one worker writes."""
+    from nmt.decode_process import HELPER_LINES
+
+    lines = read_gz_lines(multi30k_dir / "train.en.gz")[:HELPER_LINES]
+    src = tmp_path / "in.en"
+    src.write_text("\n".join(lines) + "\n")
+    args = ("translate", run, "--input", src, "--beam", "2", "--scores", *FP32)
+    two = ok(nmt_cli(*args, "--workers", "2", env={"NMT_DEBUG": "1"}))
+    one = ok(nmt_cli(*args, "--workers", "1"))
+    decoded = re.search(r"(\d+) batch\(es\) decoded in 1 decoding process", two.stderr)
+    assert decoded and int(decoded.group(1)) > 0, two.stderr
+    assert len(out_lines(two.stdout)) == len(lines)
+    assert two.stdout == one.stdout
+    fewer = src.with_name("fewer.en")
+    fewer.write_text("\n".join(lines[:-1]) + "\n")  # one line short: threads only
+    two = ok(nmt_cli("translate", run, "--input", fewer, "--workers", "2", env={"NMT_DEBUG": "1"}))
+    assert "decoded in 1 decoding process" not in two.stderr
+
+
+def test_map_in_workers_hands_items_to_helpers_and_falls_back_when_one_is_gone():
+    """A thread that took a helper calls it for its items (whichever items it is free for),
+    the others call fn; a helper raising `HelperUnavailable` has its item, and the next
+    ones of its thread, done by fn. Results and `done` stay in item order."""
+    from nmt.translate import HelperUnavailable, map_in_workers
+
+    calls: list[str] = []
+
+    def helper(x):
+        calls.append("helper")
+        time.sleep(0.002)
+        return -x
+
+    def fn(x):
+        calls.append("fn")
+        time.sleep(0.002)
+        return -x
+
+    done: list[int] = []
+    items = list(range(40))
+    assert map_in_workers(fn, items, 2, done.append, None, [helper]) == [-x for x in items]
+    assert done == items
+    assert 0 < calls.count("helper") < 40 and calls.count("fn") > 0
+    assert map_in_workers(fn, items, 1, None, None, [helper]) == [-x for x in items]  # 1: none
+
+    gone = []
+
+    def broken(x):
+        gone.append(x)
+        raise HelperUnavailable
+
+    calls.clear()
+    assert map_in_workers(fn, items, 2, None, None, [broken]) == [-x for x in items]
+    assert len(gone) == 1 and calls.count("fn") == 40  # called once, never again
+
+
+def test_a_helper_whose_process_cannot_start_leaves_the_batches_to_this_process(run, caplog):
+    """A child that cannot load (here: a checkpoint that is not the one loaded) makes its
+    helper give up with a warning: every batch is decoded in this process, the same output."""
+    import dataclasses
+
+    from nmt.decode_process import helping
+    from nmt.engine import open_engine
+
+    engine = open_engine([run], "nmt", CPU, "fp32")
+    lines = ["A dog runs.", "Two men sit on a bench.", "A woman reads a book.", ""] * 6
+    opts = search_options(engine.config.decode, beam=2, nbest=1)
+    alone = engine.translate(lines, opts, 40, workers=2)
+    with helping(engine, len(lines), opts, 2, helpers=1) as helpers:
+        assert engine.helpers == helpers and len(helpers) == 1
+        helper = helpers[0]
+        helper.load = dataclasses.replace(helper.load, fingerprint="not this one")
+        with caplog.at_level("WARNING", logger="nmt.decode_process"):
+            helped = engine.translate(lines, opts, 40, workers=2)
+    assert engine.helpers == []
+    assert helped == alone
+    assert helper.gone and helper.batches == 0
+    assert "could not start" in caplog.text and "decoded in this process" in caplog.text
+
+
 @pytest.mark.parametrize(
     "sig, workers, code, message",
     [
