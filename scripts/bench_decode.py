@@ -20,7 +20,10 @@ What is measured
     It decodes --workers batches at once (default 0 = auto, as `nmt translate`: 2 workers of
     1 intra-op thread each on 2 threads), in inference mode, on the model's weights packed
     for oneDNN. Like `nmt translate`, which packs them once per input, the benchmark packs
-    them once (~9 ms for the transformer, during warm-up), not once per batch.
+    them once (~9 ms for the transformer, during warm-up), not once per batch. A run's rows
+    with 2 or more workers decode as `nmt translate` decodes 2,000 lines or more: all but one
+    worker's batches in child processes that loaded the run (`nmt.decode_process.helping`,
+    started during the warm-up; column "procs"); --helpers off keeps every worker in threads.
   * --fixed-len N (SearchOptions.fixed_len): every sentence gets exactly N tokens (EOS forbidden
     before), so all systems do identical work whatever the weights. Default N = 20 without
     --run; with --run the default is free decoding (--fixed-len 0), which stops at EOS.
@@ -102,6 +105,7 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -162,6 +166,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="nmt: batches decoded at once (decode.workers; 0 = auto, as nmt translate)",
+    )
+    p.add_argument(
+        "--helpers",
+        choices=("auto", "off"),
+        default="auto",
+        help="a run's nmt rows with 2 or more workers: all but one worker's batches in child "
+        "processes, as nmt translate decodes 2,000 lines or more (auto), or threads only (off)",
     )
     p.add_argument(
         "--peer-workers",
@@ -372,6 +383,8 @@ def nmt_options(subject: Subject, mode: str, search: str, args):
 
 
 def bench_nmt(subject: Subject, mode: str, precision: str, args, search: str = "run") -> dict:
+    from nmt.decode_process import helping
+    from nmt.engine import open_engine
     from nmt.models.base import fixed_weights
     from nmt.translate import decode_batches, decode_workers
 
@@ -379,16 +392,25 @@ def bench_nmt(subject: Subject, mode: str, precision: str, args, search: str = "
     batches = make_batches(subject.sources, args.batch_size)
     device = torch.device("cpu")
     model = subject.model.eval()
-
-    def decode_pass(bs):
-        return decode_batches(model, [src for _, src in bs], opts, device, precision, args.workers)
-
     workers = decode_workers(args.workers, device, len(batches))
-    with fixed_weights(model):
-        times, outputs = timed_passes(decode_pass, batches, args, workers)
-        profile = None
-        if args.profile:  # one batch at a time, in this thread (and its intra-op threads)
-            profile = bu.profile_ops(lambda b: decode_pass([b]), batches, args.profile, "batch")
+    with contextlib.ExitStack() as scope:
+        helpers = []
+        if subject.run and args.helpers == "auto" and workers > 1:
+            # as nmt translate decodes many lines: the child processes load the run (started
+            # by the warm-up, which the timing leaves out, as it leaves out loading the peers)
+            engine = open_engine([Path(subject.run)], "nmt", device, precision)
+            n = len(subject.sources)
+            helpers = scope.enter_context(helping(engine, n, opts, workers, workers - 1))
+
+        def decode_pass(bs):
+            srcs = [src for _, src in bs]
+            return decode_batches(model, srcs, opts, device, precision, workers, None, helpers)
+
+        with fixed_weights(model):
+            times, outputs = timed_passes(decode_pass, batches, args, workers)
+            profile = None
+            if args.profile:  # one batch at a time, in this thread (and its intra-op threads)
+                profile = bu.profile_ops(lambda b: decode_pass([b]), batches, args.profile, "batch")
     lengths = [len(h[0].tokens) if h else 0 for out in outputs for h in out]
     steps = args.fixed_len + 1 if args.fixed_len else None
     row = row_of(
@@ -403,6 +425,7 @@ def bench_nmt(subject: Subject, mode: str, precision: str, args, search: str = "
         float(np.mean(lengths)),
         search=search,
     )
+    row["worker_processes"] = 1 + len(helpers)
     if profile:
         row["profile"] = profile
         bu.print_profile(f"nmt {subject.name} {mode} {precision}", profile)
@@ -721,6 +744,7 @@ def main(argv: list[str] | None = None) -> dict:
             ("mode", "mode"),
             ("precision", "prec"),
             ("workers", "workers"),
+            ("worker_processes", "procs"),
             ("host", "settings"),
             ("search", "search"),
             ("sentences_per_s", "sent/s"),

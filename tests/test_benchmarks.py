@@ -124,3 +124,23 @@ def test_bench_decode_times_nmt_on_the_search_its_ctranslate2_rows_run():
     assert bd.nmt_options(patient_run, "beam", "ct2", args).patience == 2.0
     greedy = bd.nmt_options(subject, "greedy", "run", args)
     assert greedy.beam == 1
+
+
+def test_bench_decode_decodes_a_runs_rows_as_nmt_translate_decodes_many_lines():
+    """A run's nmt rows with 2 workers hand one worker's batches to a child process, as `nmt
+    translate` does from 2,000 lines (`nmt.decode_process.helping`); --helpers off keeps both
+    in threads. The same translations either way."""
+    import bench_decode as bd
+    from conftest import tiny_run
+
+    run_dir, _ = tiny_run("transformer", 40)
+    argv = ["--run", str(run_dir), "--limit", "48", "--batch-size", "8", "--workers", "2"]
+    argv += ["--repeats", "1", "--warmup", "1", "--threads", "2"]
+    helped_args, alone_args = bd.parse_args(argv), bd.parse_args([*argv, "--helpers", "off"])
+    assert helped_args.helpers == "auto"
+    (subject,) = bd.load_subjects(helped_args)
+    helped = bd.bench_nmt(subject, "beam", "fp32", helped_args)
+    alone = bd.bench_nmt(subject, "beam", "fp32", alone_args)
+    assert (helped["worker_processes"], alone["worker_processes"]) == (2, 1)
+    assert helped["workers"] == alone["workers"] == 2
+    assert helped["mean_output_tokens"] == alone["mean_output_tokens"]
