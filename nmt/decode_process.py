@@ -47,6 +47,7 @@ import logging
 import multiprocessing
 import multiprocessing.util  # registers its exit handler now: `_close_all` is registered after
 import signal
+import threading
 import traceback
 import weakref
 from collections.abc import Iterator
@@ -57,7 +58,7 @@ from typing import Any
 import torch
 
 from nmt import first_line
-from nmt.search import Hypothesis, SearchOptions
+from nmt.search import Hypothesis, SearchOptions, SearchStopped
 from nmt.translate import HelperUnavailable, decode_workers
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0
 # `helping`: offline decoding of at least this many lines hands batches to child processes
 HELPER_LINES = 2000
+MODEL = "model"  # the name a `BatchHelper`'s child knows its model by
 SIGNALS = {signal.SIGINT, signal.SIGTERM}  # the server's to act on, not its children's
 
 
@@ -184,10 +186,33 @@ class DecodeProcess:
         process = self._process
         return process is not None and process.is_alive()
 
-    def search(self, name: str, opts: SearchOptions, src: torch.Tensor) -> list[list[Hypothesis]]:
-        """Search the batch of token ids src[B,S] with model `name` in the child, as
-        `nmt.engine.NMTEngine.search` does (the child must be running)."""
-        return self.call(self.started, "search", None, name, opts, src)
+    def search(
+        self,
+        name: str,
+        opts: SearchOptions,
+        src: torch.Tensor,
+        stop: threading.Event | None = None,
+    ) -> list[list[Hypothesis]]:
+        """Search the batch of token ids src[B,S] with model `name` in the (running) child,
+        as `nmt.engine.NMTEngine.search` does. The ids travel as a numpy array: a tensor
+        travels as a file descriptor of shared memory, which stays open in this process as
+        long as the tensor lives (a decode keeps its batches: one descriptor per batch). Once
+        `stop` is set, the child is killed and `SearchStopped` raised, as a search in this
+        process stops at its next step."""
+        conn = self._conn
+        if conn is None:
+            raise DecodeProcessError("the decoding process is not running")
+        try:
+            conn.send(("search", None, name, opts, src.cpu().numpy()))
+        except (OSError, ValueError):  # a broken pipe, or closed
+            raise self._ended() from None
+        while stop is not None:
+            if stop.is_set():
+                self.close(timeout=0)
+                raise SearchStopped
+            if conn.poll(0.05):
+                break
+        return self._answer(conn)
 
     def stream(self, name: str, opts: SearchOptions) -> RemoteStream:
         """A new running batch of model `name` with search options `opts` in the child (a new
@@ -341,8 +366,8 @@ def _child(conn, loads: list[Load], threads: int) -> None:
                 if fingerprint(engine) != load.fingerprint:
                     raise DecodeProcessError(
                         f"the checkpoint {load.checkpoint} or the tokenizer of model "
-                        f"{load.name} changed after the server loaded them; start the server "
-                        "again"
+                        f"{load.name} changed after the server (or command) loaded them; start "
+                        "it again"
                     )
                 if load.warm_up is not None:
                     engine.warm_up(load.warm_up, loading)
@@ -364,7 +389,8 @@ def _child(conn, loads: list[Load], threads: int) -> None:
             kind, sid, name, opts, *args = message
             if kind == "search":  # a whole batch, no running batch kept
                 try:
-                    reply = ("ok", engines[name].search(args[0], opts))
+                    src = torch.from_numpy(args[0])
+                    reply = ("ok", engines[name].search(src, opts))
                 except Exception as e:  # noqa: BLE001 - raised in the caller's thread
                     reply = ("error", _message(e))
                 if not send(reply):
@@ -402,26 +428,29 @@ def _message(e: BaseException) -> str:
 
 class BatchHelper:
     """A `nmt.translate.Helper`: searches the batches it is given in a child process of its
-    own, started at its first batch (in the decoding thread that calls it), which loads what
-    `load` says. A child that cannot start or that ends makes it raise `HelperUnavailable`
+    own, started at its first batch (in the decoding thread that calls it), which loads the
+    checkpoint `engine` loaded (`Load.of`, its weights' fingerprint taken then, beside the
+    decoding). A child that cannot start or that ends makes it raise `HelperUnavailable`
     (logged once): the caller decodes that batch and the next ones itself."""
 
-    def __init__(self, load: Load, threads: int) -> None:
-        self.load, self.threads = load, threads
+    def __init__(self, engine, threads: int) -> None:
+        self.engine, self.threads = engine, threads
         self.process: DecodeProcess | None = None
         self.batches = 0  # batches its child searched
         self.gone = False
 
-    def __call__(self, src: torch.Tensor, opts: SearchOptions) -> list[list[Hypothesis]]:
+    def __call__(
+        self, src: torch.Tensor, opts: SearchOptions, stop: threading.Event | None = None
+    ) -> list[list[Hypothesis]]:
         if self.gone:
             raise HelperUnavailable
         if self.process is None:
             try:
-                self.process = DecodeProcess([self.load], self.threads).start()
-            except DecodeProcessError as e:
+                self.process = DecodeProcess([Load.of(MODEL, self.engine)], self.threads).start()
+            except Exception as e:  # noqa: BLE001 - this process decodes instead
                 self._give_up(f"a decoding process could not start ({first_line(e)})")
         try:
-            result = self.process.search(self.load.name, opts, src)
+            result = self.process.search(MODEL, opts, src, stop)
         except DecodeProcessError:
             if self.process.alive():  # the search failed: it fails in any process
                 raise
@@ -468,8 +497,7 @@ def helping(
         yield []
         return
     threads = max(1, torch.get_num_threads() // (n + 1))
-    load = Load.of("model", engine)
-    made = [BatchHelper(load, threads) for _ in range(n)]
+    made = [BatchHelper(engine, threads) for _ in range(n)]
     engine.helpers = made
     try:
         yield made
@@ -478,7 +506,8 @@ def helping(
         for helper in made:
             helper.close()
         used = sum(h.batches for h in made)
-        log.debug("%d batch(es) decoded in %d decoding process(es)", used, n)
+        started = sum(h.process is not None and not h.gone for h in made)
+        log.debug("%d batch(es) decoded in %d decoding process(es)", used, started)
 
 
 # -- at the server's exit ---------------------------------------------------------------------

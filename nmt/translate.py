@@ -212,9 +212,10 @@ def intra_op_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-# A decoder of whole batches elsewhere (another process): helper(src, opts) returns what
-# `decode_batch` returns for src, or raises `HelperUnavailable` (`map_in_workers`)
-Helper = Callable[[Tensor, SearchOptions], list[list[Hypothesis]]]
+# A decoder of whole batches elsewhere (another process): helper(src, opts, stop) returns what
+# `decode_batch` returns for src (raising SearchStopped once `stop` is set), or raises
+# `HelperUnavailable` (`map_in_workers`)
+Helper = Callable[[Tensor, SearchOptions, threading.Event], list[list[Hypothesis]]]
 
 
 class HelperUnavailable(Exception):
@@ -352,8 +353,9 @@ def decode_batches(
         threads,
         min(len(helpers or ()), n_workers - 1),
     )
-    # a helper searches with these options (map_in_workers calls helper(src))
-    bound = [functools.partial(helper, opts=opts) for helper in helpers or ()]
+    # a helper searches with these options and stops with the others (map_in_workers calls
+    # helper(src))
+    bound = [functools.partial(helper, opts=opts, stop=stop) for helper in helpers or ()]
     with fixed_weights(model):
         return map_in_workers(run, batches, n_workers, done, stop, bound)
 

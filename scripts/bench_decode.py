@@ -425,7 +425,7 @@ def bench_nmt(subject: Subject, mode: str, precision: str, args, search: str = "
         float(np.mean(lengths)),
         search=search,
     )
-    row["worker_processes"] = 1 + len(helpers)
+    row["worker_processes"] = 1 + sum(not h.gone for h in helpers)  # a child that failed: none
     if profile:
         row["profile"] = profile
         bu.print_profile(f"nmt {subject.name} {mode} {precision}", profile)

@@ -572,7 +572,7 @@ def test_a_thread_whose_child_cannot_start_again_decodes_by_itself(served, engli
     assert answers == [[alone(line)[0]] for line in english[:3]]
     assert process.started == 2  # one attempt, not one per batch
     (record,) = [r for r in caplog.records if "decodes in the server's process" in r.getMessage()]
-    assert "changed after the server loaded them" in record.getMessage()
+    assert "changed after the server (or command) loaded them" in record.getMessage()
 
 
 def test_a_decoding_process_reports_its_errors(runs, served):
@@ -620,7 +620,9 @@ def test_a_decoding_process_reports_its_errors(runs, served):
         process.close()
     assert not process.alive()
     stale = dataclasses.replace(load, fingerprint="another checkpoint")
-    with pytest.raises(DecodeProcessError, match="changed after the server loaded them"):
+    with pytest.raises(
+        DecodeProcessError, match=r"changed after the server \(or command\) loaded them"
+    ):
         DecodeProcess([stale], threads=1).start()
 
 

@@ -724,28 +724,63 @@ def test_map_in_workers_hands_items_to_helpers_and_falls_back_when_one_is_gone()
     assert len(gone) == 1 and calls.count("fn") == 40  # called once, never again
 
 
-def test_a_helper_whose_process_cannot_start_leaves_the_batches_to_this_process(run, caplog):
-    """A child that cannot load (here: a checkpoint that is not the one loaded) makes its
-    helper give up with a warning: every batch is decoded in this process, the same output."""
+def test_a_helper_whose_process_cannot_start_leaves_the_batches_to_this_process(
+    run, caplog, monkeypatch
+):
+    """A child that cannot load (here: told to expect other weights than the checkpoint's)
+    makes its helper give up with a warning: every batch is decoded in this process, the
+    same output."""
     import dataclasses
 
-    from nmt.decode_process import helping
+    from nmt.decode_process import Load, helping
     from nmt.engine import open_engine
 
     engine = open_engine([run], "nmt", CPU, "fp32")
     lines = ["A dog runs.", "Two men sit on a bench.", "A woman reads a book.", ""] * 6
     opts = search_options(engine.config.decode, beam=2, nbest=1)
     alone = engine.translate(lines, opts, 40, workers=2)
+    of = Load.of
+    monkeypatch.setattr(
+        Load, "of", lambda *a, **k: dataclasses.replace(of(*a, **k), fingerprint="other")
+    )
     with helping(engine, len(lines), opts, 2, helpers=1) as helpers:
         assert engine.helpers == helpers and len(helpers) == 1
-        helper = helpers[0]
-        helper.load = dataclasses.replace(helper.load, fingerprint="not this one")
         with caplog.at_level("WARNING", logger="nmt.decode_process"):
             helped = engine.translate(lines, opts, 40, workers=2)
     assert engine.helpers == []
     assert helped == alone
-    assert helper.gone and helper.batches == 0
+    assert helpers[0].gone and helpers[0].batches == 0
     assert "could not start" in caplog.text and "decoded in this process" in caplog.text
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts /proc/self/fd")
+def test_a_helper_keeps_no_file_open_per_batch_and_stops_with_the_others(run):
+    """Batches sent to a helper's child leave nothing open behind (a tensor sent through a
+    pipe would stay a shared-memory file as long as it lives: one per batch, and the
+    command's file limit after ~1,000); a set `stop` kills the child and raises
+    SearchStopped, as a search in this process stops."""
+    import threading
+
+    from nmt.decode_process import helping
+    from nmt.engine import open_engine
+    from nmt.search import SearchStopped
+    from nmt.translate import source_batch
+
+    engine = open_engine([run], "nmt", CPU, "fp32")
+    opts = search_options(engine.config.decode, beam=2, nbest=1)
+    ids = engine.tokenizer.encode_src(["A dog runs.", "Two men sit."])
+    batches = [source_batch(ids) for _ in range(41)]  # kept, as a decode keeps its batches
+    with engine.held(), helping(engine, 2, opts, 2, helpers=1) as (helper,):
+        first = helper(batches[0], opts)
+        assert first == engine.search(batches[0], opts)
+        files = len(os.listdir("/proc/self/fd"))
+        assert all(helper(src, opts) == first for src in batches[1:])
+        assert len(os.listdir("/proc/self/fd")) <= files + 2
+        stop = threading.Event()
+        stop.set()
+        with pytest.raises(SearchStopped):
+            helper(batches[0], opts, stop)
+        assert not helper.process.alive()
 
 
 @pytest.mark.parametrize(
