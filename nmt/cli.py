@@ -344,8 +344,8 @@ def translate(
     workers: int | None = typer.Option(
         None,
         "--workers",
-        help="Batches decoded at once on CPU (0 = auto: 2 with 2+ threads); from 2,000 lines, "
-        "all but one in child processes.",
+        help="Batches decoded at once on CPU (0 = auto: 2 with 2+ threads); from 2,000 lines at "
+        "beam 5 (lines x beam >= 10,000), all but one in child processes.",
     ),
     precision: str | None = typer.Option(None, "--precision", help=PRECISION_HELP),
     max_len_a: float | None = typer.Option(None, "--max-len-a"),

@@ -21,7 +21,8 @@ What is measured
     1 intra-op thread each on 2 threads), in inference mode, on the model's weights packed
     for oneDNN. Like `nmt translate`, which packs them once per input, the benchmark packs
     them once (~9 ms for the transformer, during warm-up), not once per batch. A run's rows
-    with 2 or more workers decode as `nmt translate` decodes 2,000 lines or more: all but one
+    with 2 or more workers decode as `nmt translate` decodes 2,000 lines or more at beam 5 (lines x
+    beam >= 10,000): all but one
     worker's batches in child processes that loaded the run (`nmt.decode_process.helping`,
     started during the warm-up; column "procs"); --helpers off keeps every worker in threads.
   * --fixed-len N (SearchOptions.fixed_len): every sentence gets exactly N tokens (EOS forbidden
@@ -172,7 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("auto", "off"),
         default="auto",
         help="a run's nmt rows with 2 or more workers: all but one worker's batches in child "
-        "processes, as nmt translate decodes 2,000 lines or more (auto), or threads only (off)",
+        "processes, as nmt translate decodes 2,000 lines or more at beam 5 (auto), or threads only "
+        "(off)",
     )
     p.add_argument(
         "--peer-workers",

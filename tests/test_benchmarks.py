@@ -128,7 +128,7 @@ def test_bench_decode_times_nmt_on_the_search_its_ctranslate2_rows_run():
 
 def test_bench_decode_decodes_a_runs_rows_as_nmt_translate_decodes_many_lines():
     """A run's nmt rows with 2 workers hand one worker's batches to a child process, as `nmt
-    translate` does from 2,000 lines (`nmt.decode_process.helping`); --helpers off keeps both
+    translate` does from 2,000 lines at beam 5 (`nmt.decode_process.helping`); --helpers off keeps both
     in threads. The same translations either way."""
     import bench_decode as bd
     from conftest import tiny_run

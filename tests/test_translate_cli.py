@@ -667,21 +667,24 @@ def test_workers_split_the_threads(run):
 
 
 def test_many_lines_decode_in_a_child_process_as_in_threads(run, multi30k_dir, tmp_path):
-    """From `HELPER_LINES` lines, the second decoding worker hands its batches to a child
-    process (`nmt.decode_process.helping`): it decodes some of them (debug log), and the
-    output is line for line what one worker writes."""
-    from nmt.decode_process import HELPER_LINES
+    """From `HELPER_WORK` lines x beam (2,000 lines at beam 5), the second decoding worker
+    hands its batches to a child process (`nmt.decode_process.helping`): it decodes some of
+    them (debug log), and the output is line for line what one worker writes. Greedy search
+    of as many lines, or one line fewer at beam 5, is too little work for a child."""
+    from nmt.decode_process import HELPER_WORK
 
-    lines = read_gz_lines(multi30k_dir / "train.en.gz")[:HELPER_LINES]
+    lines = read_gz_lines(multi30k_dir / "train.en.gz")[: HELPER_WORK // 5]
     src = tmp_path / "in.en"
     src.write_text("\n".join(lines) + "\n")
-    args = ("translate", run, "--input", src, "--beam", "2", "--scores", *FP32)
+    args = ("translate", run, "--input", src, "--beam", "5", "--scores", *FP32)
     two = ok(nmt_cli(*args, "--workers", "2", env={"NMT_DEBUG": "1"}))
     one = ok(nmt_cli(*args, "--workers", "1"))
     decoded = re.search(r"(\d+) batch\(es\) decoded in 1 decoding process", two.stderr)
     assert decoded and int(decoded.group(1)) > 0, two.stderr
     assert len(out_lines(two.stdout)) == len(lines)
     assert two.stdout == one.stdout
+    greedy = ok(nmt_cli(*args, "--workers", "2", "--beam", "1", env={"NMT_DEBUG": "1"}))
+    assert "decoded in 1 decoding process" not in greedy.stderr
     fewer = src.with_name("fewer.en")
     fewer.write_text("\n".join(lines[:-1]) + "\n")  # one line short: threads only
     two = ok(nmt_cli("translate", run, "--input", fewer, "--workers", "2", env={"NMT_DEBUG": "1"}))
@@ -798,7 +801,8 @@ def test_interrupted_translation_exits_128_plus_signal_and_writes_nothing(
     line saying so (typer returned exit code 0 for Ctrl-C; SIGTERM killed the process and left
     its temporary file), no output file and no temporary file left."""
     src, out = tmp_path / "in.en", tmp_path / "out.de"
-    src.write_text("\n".join(read_gz_lines(multi30k_dir / "train.en.gz")[:3000]) + "\n")
+    # 3,400 lines x the tiny recipe's beam 3 >= HELPER_WORK: with 2 workers, one is a child
+    src.write_text("\n".join(read_gz_lines(multi30k_dir / "train.en.gz")[:3400]) + "\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = ["translate", run, "--input", src, "--output", out, "--workers", workers, *FP32]
     proc = subprocess.Popen(
