@@ -46,10 +46,12 @@ import contextlib
 import hashlib
 import itertools
 import logging
+import math
 import multiprocessing
 import multiprocessing.util  # registers its exit handler now: `_close_all` is registered after
 import signal
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Iterator
@@ -121,6 +123,20 @@ class Load:
         )
 
 
+def _poll(conn, timeout: float, stop: threading.Event | None) -> bool:
+    """`conn.poll(timeout)`, in steps of 50 ms with `stop`: `SearchStopped` once it is set."""
+    if stop is None:
+        return conn.poll(None if math.isinf(timeout) else timeout)
+    end = time.monotonic() + timeout
+    while not stop.is_set():
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        if conn.poll(min(0.05, left)):
+            return True
+    raise SearchStopped
+
+
 class DecodeProcessError(RuntimeError):
     """Decoding in a child process failed, or the child ended."""
 
@@ -142,9 +158,10 @@ class DecodeProcess:
         self._graphs_at_ready: int | None = None  # the current child's count when ready
         self._graphs_late = 0  # ... and how many it has made since
 
-    def start(self) -> DecodeProcess:
+    def start(self, stop: threading.Event | None = None) -> DecodeProcess:
         """Start the child and wait until it has loaded its models (`DecodeProcessError`
-        with the child's message when it cannot)."""
+        with the child's message when it cannot; once `stop` is set, the child is killed and
+        `SearchStopped` raised)."""
         ctx = multiprocessing.get_context("spawn")  # fork would copy torch's threads' state
         parent, child = ctx.Pipe()
         process = ctx.Process(
@@ -167,13 +184,16 @@ class DecodeProcess:
         _open.add(self)
         try:
             while True:  # "loading" (a warm-up step), then "ready", or its error
-                if not parent.poll(START_TIMEOUT_S):
+                if not _poll(parent, START_TIMEOUT_S, stop):
                     raise DecodeProcessError(
                         f"the decoding process said nothing for {START_TIMEOUT_S:g} s while "
                         "it loaded"
                     )
                 if self._receive(parent)[0] == "ready":
                     break
+        except SearchStopped:  # killed at once: a child importing torch reads no "exit"
+            self.close(timeout=0)
+            raise
         except BaseException:
             self.close()
             raise
@@ -208,12 +228,11 @@ class DecodeProcess:
             conn.send(("search", None, name, opts, src.cpu().numpy()))
         except (OSError, ValueError):  # a broken pipe, or closed
             raise self._ended() from None
-        while stop is not None:
-            if stop.is_set():
-                self.close(timeout=0)
-                raise SearchStopped
-            if conn.poll(0.05):
-                break
+        try:
+            _poll(conn, math.inf, stop)
+        except SearchStopped:
+            self.close(timeout=0)
+            raise
         return self._answer(conn)
 
     def stream(self, name: str, opts: SearchOptions) -> RemoteStream:
@@ -448,7 +467,10 @@ class BatchHelper:
             raise HelperUnavailable
         if self.process is None:
             try:
-                self.process = DecodeProcess([Load.of(MODEL, self.engine)], self.threads).start()
+                load = Load.of(MODEL, self.engine)
+                self.process = DecodeProcess([load], self.threads).start(stop)
+            except SearchStopped:
+                raise
             except Exception as e:  # noqa: BLE001 - this process decodes instead
                 self._give_up(f"a decoding process could not start ({first_line(e)})")
         try:

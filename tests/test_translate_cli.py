@@ -761,7 +761,7 @@ def test_a_helper_keeps_no_file_open_per_batch_and_stops_with_the_others(run):
     """Batches sent to a helper's child leave nothing open behind (a tensor sent through a
     pipe would stay a shared-memory file as long as it lives: one per batch, and the
     command's file limit after ~1,000); a set `stop` kills the child and raises
-    SearchStopped, as a search in this process stops."""
+    SearchStopped, as a search in this process stops, also while the child starts."""
     import threading
 
     from nmt.decode_process import helping
@@ -784,6 +784,12 @@ def test_a_helper_keeps_no_file_open_per_batch_and_stops_with_the_others(run):
         with pytest.raises(SearchStopped):
             helper(batches[0], opts, stop)
         assert not helper.process.alive()
+    with helping(engine, 2, opts, 2, helpers=1) as (starting,):  # stopped while it starts
+        started = time.monotonic()
+        with pytest.raises(SearchStopped):
+            starting(batches[0], opts, stop)
+        assert starting.process is None and not starting.gone
+        assert time.monotonic() - started < 1.0  # not the ~1.5 s a child takes to load
 
 
 @pytest.mark.parametrize(
