@@ -63,7 +63,7 @@ import torch
 
 from nmt import first_line
 from nmt.search import Hypothesis, SearchOptions, SearchStopped
-from nmt.translate import HelperUnavailable, decode_workers
+from nmt.translate import HelperUnavailable, decode_workers, worker_threads
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class Load:
 def _poll(conn, timeout: float, stop: threading.Event | None) -> bool:
     """`conn.poll(timeout)`, in steps of 50 ms with `stop`: `SearchStopped` once it is set."""
     if stop is None:
-        return conn.poll(None if math.isinf(timeout) else timeout)
+        return conn.poll(timeout)
     end = time.monotonic() + timeout
     while not stop.is_set():
         left = end - time.monotonic()
@@ -221,19 +221,7 @@ class DecodeProcess:
         long as the tensor lives (a decode keeps its batches: one descriptor per batch). Once
         `stop` is set, the child is killed and `SearchStopped` raised, as a search in this
         process stops at its next step."""
-        conn = self._conn
-        if conn is None:
-            raise DecodeProcessError("the decoding process is not running")
-        try:
-            conn.send(("search", None, name, opts, src.cpu().numpy()))
-        except (OSError, ValueError):  # a broken pipe, or closed
-            raise self._ended() from None
-        try:
-            _poll(conn, math.inf, stop)
-        except SearchStopped:
-            self.close(timeout=0)
-            raise
-        return self._answer(conn)
+        return self.call(self.started, "search", None, name, opts, src.cpu().numpy(), stop=stop)
 
     def stream(self, name: str, opts: SearchOptions) -> RemoteStream:
         """A new running batch of model `name` with search options `opts` in the child (a new
@@ -245,9 +233,10 @@ class DecodeProcess:
             self.start()
         return RemoteStream(self, next(self._ids), name, opts)
 
-    def call(self, generation: int, *message: Any) -> Any:
+    def call(self, generation: int, *message: Any, stop: threading.Event | None = None) -> Any:
         """Send a request to child number `generation`, return its answer (or raise its
-        error); a stream of a child that has ended since gets `DecodeProcessError`."""
+        error); a stream of a child that has ended since gets `DecodeProcessError`. Once
+        `stop` is set while the child works, it is killed and `SearchStopped` raised."""
         conn = self._conn
         if generation != self.started or conn is None:
             raise DecodeProcessError(
@@ -258,6 +247,12 @@ class DecodeProcess:
             conn.send(message)
         except (OSError, ValueError):  # a broken pipe, or closed
             raise self._ended() from None
+        if stop is not None:
+            try:
+                _poll(conn, math.inf, stop)
+            except SearchStopped:
+                self.close(timeout=0)
+                raise
         return self._answer(conn)
 
     def _answer(self, conn) -> Any:
@@ -521,7 +516,7 @@ def helping(
     if n <= 0:
         yield []
         return
-    threads = max(1, torch.get_num_threads() // (n + 1))
+    threads = worker_threads(n + 1)  # as each of the n + 1 workers gets
     made = [BatchHelper(engine, threads) for _ in range(n)]
     engine.helpers = made
     try:

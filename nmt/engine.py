@@ -63,6 +63,7 @@ from nmt.translate import (
     source_batch,
     source_mask,
     translate_lines,
+    worker_threads,
 )
 
 ENGINES = ("nmt", "ctranslate2")
@@ -310,7 +311,7 @@ class CT2Engine:
         decode at once (a server's batching threads, each asking for 1 worker) would otherwise
         queue on one translator's single worker."""
         workers = decode_workers(workers, torch.device(self.device), batches=1 << 30)
-        threads = max(1, torch.get_num_threads() // workers)
+        threads = worker_threads(workers)
         key = (workers, threads, threading.get_ident())
         with self._lock:
             if fresh or key not in self._translators:

@@ -61,7 +61,13 @@ from nmt.decode_process import DecodeProcess, DecodeProcessError, Load
 from nmt.device import resolve_precision
 from nmt.engine import ENGINES, Engine, NMTEngine, check_compile, open_engine
 from nmt.search import SearchOptions
-from nmt.translate import attention_of, decode_workers, search_options, translate_lines
+from nmt.translate import (
+    attention_of,
+    decode_workers,
+    search_options,
+    translate_lines,
+    worker_threads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -310,11 +316,6 @@ def in_child(settings: ServeSettings, device: torch.device) -> bool:
 def serving_workers(workers: int | None, device: torch.device) -> int:
     """The decoding threads of a server (`--workers`, else as many as `nmt translate` runs)."""
     return workers or decode_workers(0, device, 1 << 30)
-
-
-def worker_threads(workers: int) -> int:
-    """Each decoding thread's share of the calling thread's torch threads."""
-    return max(1, torch.get_num_threads() // workers)
 
 
 @dataclass

@@ -201,6 +201,11 @@ def decode_workers(workers: int, device: torch.device, batches: int) -> int:
     return max(1, min(wanted, batches))
 
 
+def worker_threads(workers: int) -> int:
+    """Each of `workers` decoding workers' share of the calling thread's torch threads."""
+    return max(1, torch.get_num_threads() // workers)
+
+
 @contextlib.contextmanager
 def intra_op_threads(n: int) -> Iterator[None]:
     """torch's intra-op thread count set to n for the scope (threads started in it use n)."""
@@ -275,7 +280,7 @@ def map_in_workers(
             if stop is not None:
                 stop.set()
 
-    with intra_op_threads(max(1, torch.get_num_threads() // workers)):
+    with intra_op_threads(worker_threads(workers)):
         pool = ThreadPoolExecutor(workers, thread_name_prefix="nmt-decode")
         futures = [pool.submit(work, x) for x in items]
         for future in futures:
@@ -343,7 +348,7 @@ def decode_batches(
 
     done = (lambda src: progress(src.size(0))) if progress else None
     n_workers = decode_workers(workers, device, len(batches))
-    threads = max(1, torch.get_num_threads() // n_workers)
+    threads = worker_threads(n_workers)
     log.debug(
         "decoding %d batch(es) on %s in %s, %d at once, %d thread(s) each, %d in helpers",
         len(batches),

@@ -295,7 +295,8 @@ def alone(args: argparse.Namespace, sentences: list[str]) -> dict[int, dict[str,
     import torch
 
     from nmt.decode_process import DecodeProcess, Load
-    from nmt.serve import DecodeRequest, load_served, model_specs, serving_workers, worker_threads
+    from nmt.serve import DecodeRequest, load_served, model_specs, serving_workers
+    from nmt.translate import worker_threads
 
     bu.setup_torch(2)
     cpu = torch.device("cpu")
