@@ -13,11 +13,19 @@ What it reports
   * the training throughput the run logged: target tokens/s of its metrics.jsonl train records
     after the first --settle minutes, weighted by each record's interval (as bench_train does),
     and the median record; compare it with scripts/bench_model.py on the same recipe and
-    precision (the step alone) for the share of the step rate a real run keeps.
+    precision (the step alone) for the share of the step rate a real run keeps;
+  * from the same records' `step_seconds` (the trainer's time in `nmt.train.train_step`): the
+    rate inside the steps, their share of the time the records log (the rest: batches,
+    logging, the loop), and the share of the wall time no record logs (validation,
+    checkpoints). Shares within one run: a machine whose speed drifts between runs does not
+    move them. The in-step rate against bench_model's is the step itself in a real run
+    against the benchmark's.
 
 Commands (needs the prepared Multi30k data; saturates the cores for --minutes):
   NMT_DATA_DIR=../shared/data python scripts/bench_memory.py --minutes 30 \\
       --json runs/bench_memory.json
+  # issue 29's goal 2: a 10-minute run against the step alone, timed just before and after
+  ... scripts/bench_memory.py --minutes 10 --settle 2 --step-rate
   # a quick look (2 minutes, RSS every 10 s):
   ... scripts/bench_memory.py --minutes 2 --interval 10
 """
@@ -48,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", dest="sets", action="append", default=[], help="extra override")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--keep", help="keep the run directory here (default: a temporary one)")
+    p.add_argument(
+        "--step-rate",
+        action="store_true",
+        help="time the recipe's step with scripts/bench_model.py just before and just after "
+        "the run, and report the run's rates against theirs",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return p.parse_args(argv)
 
@@ -63,11 +77,45 @@ def logged_rate(metrics: Path, settle_minutes: float) -> dict[str, float]:
         dt = (r["minutes"] - prev["minutes"]) * 60
         tokens += r["tokens_per_s"] * dt
         seconds += dt
+    # The trainer's own clocks over the same records: each record's window (its tokens over
+    # its tokens_per_s: the wall time it logs, validation and checkpoints left out) and its
+    # time in train_step (`step_seconds`). Shares within one run, which a machine's speed
+    # drifting between runs does not move.
+    stepped = windows = 0.0
+    for prev, r in zip(later, later[1:]):
+        windows += (r["tokens"] - prev["tokens"]) / r["tokens_per_s"]
+        stepped += r["step_seconds"]
+    counted = later[-1]["tokens"] - later[0]["tokens"]
     return {
         "tokens_per_s": tokens / seconds if seconds else float("nan"),
         "tokens_per_s_median_record": statistics.median(r["tokens_per_s"] for r in later),
         "records": len(later),
+        "tokens_per_step_second": counted / stepped if stepped else float("nan"),
+        "steps_share_of_logged": stepped / windows if windows else float("nan"),
+        "unlogged_share": 1 - windows / seconds if seconds else float("nan"),
     }
+
+
+def step_rate(args: argparse.Namespace) -> float:
+    """The recipe's training step alone: `scripts/bench_model.py` (nmt, the precision `auto`
+    resolves to on this CPU, the run's --set overrides) in a subprocess; its target tok/s."""
+    from nmt.cpu import cpu_has_bf16
+
+    recipe = Path(args.recipe).resolve()
+    arch = next((a for a, path in bu.RECIPES.items() if Path(path).resolve() == recipe), None)
+    if arch is None:
+        raise SystemExit(f"--step-rate times the recipes of {sorted(bu.RECIPES)} only")
+    precision = "bf16" if cpu_has_bf16() else "fp32"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench_model.json"
+        cmd = [sys.executable, str(Path(__file__).with_name("bench_model.py")), "--archs", arch]
+        cmd += ["--precisions", precision, "--hf", "off", "--threads", str(args.threads)]
+        cmd += [x for s in args.sets for x in ("--set", s)] + ["--json", str(out)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        rows = json.loads(out.read_text())["rows"]
+    rate = next(r["tokens_per_s"] for r in rows if r["system"] == "nmt")
+    print(f"bench_model {arch} {precision}: {rate:,.0f} tgt tok/s")
+    return rate
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -77,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench_memory_"))
     run = root / "run"
     shutil.rmtree(run, ignore_errors=True)
+    bench_before = step_rate(args) if args.step_rate else None
     sets = [f"train.max_minutes={args.minutes}", *args.sets]
     cmd = [sys.executable, "-m", "nmt", "train", args.recipe, "--run-dir", str(run)]
     cmd += [x for s in sets for x in ("--set", s)]
@@ -106,6 +155,12 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"nmt train exited with {proc.returncode}")
     settled = [s for s in samples if s["minute"] >= args.settle]
     rate = logged_rate(run / "metrics.jsonl", args.settle)
+    if args.step_rate and rate:
+        bench = {"before": bench_before, "after": step_rate(args)}
+        bench["mean"] = (bench["before"] + bench["after"]) / 2
+        rate["bench_model"] = bench
+        rate["logged_over_bench"] = rate["tokens_per_s"] / bench["mean"]
+        rate["in_step_over_bench"] = rate["tokens_per_step_second"] / bench["mean"]
     result = {
         "benchmark": "bench_memory",
         "args": vars(args),
@@ -126,7 +181,16 @@ def main(argv: list[str] | None = None) -> dict:
     if rate:
         print(
             f"logged throughput after {args.settle:g} min: {rate['tokens_per_s']:,.0f} tgt tok/s "
-            f"(median record {rate['tokens_per_s_median_record']:,.0f}, {rate['records']} records)"
+            f"(median record {rate['tokens_per_s_median_record']:,.0f}, {rate['records']} records); "
+            f"in train_step {rate['tokens_per_step_second']:,.0f} tgt tok/s, "
+            f"{100 * rate['steps_share_of_logged']:.1f}% of the logged time; "
+            f"{100 * rate['unlogged_share']:.1f}% of the wall time unlogged (validation, saves)"
+        )
+    if rate and "bench_model" in rate:
+        print(
+            f"against bench_model's step ({rate['bench_model']['before']:,.0f} before, "
+            f"{rate['bench_model']['after']:,.0f} after): logged {rate['logged_over_bench']:.1%}, "
+            f"in train_step {rate['in_step_over_bench']:.1%}"
         )
     bu.write_json(args.json, result)
     if not args.keep:

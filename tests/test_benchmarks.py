@@ -144,3 +144,31 @@ def test_bench_decode_decodes_a_runs_rows_as_nmt_translate_decodes_many_lines():
     assert (helped["worker_processes"], alone["worker_processes"]) == (2, 1)
     assert helped["workers"] == alone["workers"] == 2
     assert helped["mean_output_tokens"] == alone["mean_output_tokens"]
+
+
+def test_bench_memory_splits_a_runs_wall_time_by_the_trainers_own_clocks(tmp_path):
+    import json
+
+    import bench_memory
+
+    # records every 60 s of wall time: 1,000 tokens each; 50 s logged per window (the other
+    # 10 s validation), 40 of them in train_step
+    records = [
+        {
+            "kind": "train",
+            "minutes": float(i),
+            "tokens": 1000 * i,
+            "tokens_per_s": 1000 / 50,
+            "step_seconds": 40.0,
+        }
+        for i in range(1, 6)
+    ]
+    records.insert(2, {"kind": "valid", "minutes": 2.1, "tokens": 2000, "loss": 2.0})
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    rate = bench_memory.logged_rate(metrics, 2.0)  # the records from minute 2: 3 windows
+    assert rate["records"] == 4
+    assert rate["tokens_per_s"] == pytest.approx(20.0)  # what the records log
+    assert rate["tokens_per_step_second"] == pytest.approx(3000 / 120)
+    assert rate["steps_share_of_logged"] == pytest.approx(40 / 50)
+    assert rate["unlogged_share"] == pytest.approx(10 / 60)
