@@ -81,8 +81,12 @@ What is measured
     "both"): in this process under nmt's settings (host "nmt", the strict comparison), and in
     a child process that keeps the library defaults, as a user of HF or CTranslate2 runs
     them (host "default"). The ratio table has a row for each.
-  * Timing: --warmup untimed batches per worker, then --repeats full passes over all batches
-    with time.perf_counter; sentences/s of the median pass (min and max in the JSON).
+  * Timing: every row of this process is set up and runs its --warmup untimed batches per
+    worker first; then --repeats rounds, each timing one full pass over all batches of every
+    row in turn (time.perf_counter), so that a drift of the machine's speed during the run
+    (10-15% within minutes on a shared VM) falls on all rows alike instead of on whichever
+    row ran then; sentences/s of the median pass (min and max in the JSON). The peers under
+    their default settings (--peer-host) run in their own process after this one's rows.
 
 Commands:
   NMT_DATA_DIR=../shared/data \\
@@ -114,6 +118,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -301,16 +306,53 @@ def make_batches(
     return batches
 
 
-def timed_passes(decode_pass, batches: list, args, workers: int) -> tuple[list[float], list]:
-    """--warmup untimed batches per worker, then --repeats timed passes of decode_pass over
-    all batches; returns the times and the outputs of the last pass."""
+# A row's timing is a generator (`timed_passes`, through the `bench_*` functions): it warms up
+# when first advanced, then yields each of its --repeats passes for `in_rounds` to time, and
+# returns the row.
+Bench = Generator[Callable[[], list], tuple[float, list], dict]
+
+
+def timed_passes(
+    decode_pass, batches: list, args, workers: int
+) -> Generator[Callable[[], list], tuple[float, list], tuple[list[float], list]]:
+    """--warmup untimed batches per worker, then --repeats passes of decode_pass over all
+    batches, each yielded to be timed (`in_rounds` sends back its seconds and outputs);
+    returns the times and the outputs of the last pass."""
     decode_pass(batches[: args.warmup * workers])
     times, outputs = [], []
     for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        outputs = decode_pass(batches)
-        times.append(time.perf_counter() - t0)
+        seconds, outputs = yield lambda: decode_pass(batches)
+        times.append(seconds)
     return times, outputs
+
+
+def in_rounds(benches: list[Bench], threads: int) -> list[dict]:
+    """The rows of `benches`, their passes timed in rounds: every row set up and warmed up
+    first, then in each round one pass of every row, in turn. A machine whose speed drifts
+    during the run (a shared VM drifts by 10-15% within minutes) slows every row alike,
+    where rows timed one after the other would each meet another speed. Each pass starts
+    with torch at `threads` intra-op threads (creating a CTranslate2 translator sets them
+    to 1 in its thread)."""
+    rows: list[dict | None] = [None] * len(benches)
+    waiting = []
+    for i, bench in enumerate(benches):
+        try:
+            waiting.append((i, bench, next(bench)))
+        except StopIteration as done:
+            rows[i] = done.value
+    while waiting:
+        left = []
+        for i, bench, decode in waiting:
+            torch.set_num_threads(threads)
+            t0 = time.perf_counter()
+            outputs = decode()
+            seconds = time.perf_counter() - t0
+            try:
+                left.append((i, bench, bench.send((seconds, outputs))))
+            except StopIteration as done:
+                rows[i] = done.value
+        waiting = left
+    return [row for row in rows if row is not None]
 
 
 def in_workers(decode_batch, workers: int):
@@ -384,7 +426,7 @@ def nmt_options(subject: Subject, mode: str, search: str, args):
     return ct2_search(opts) if search == "ct2" else opts
 
 
-def bench_nmt(subject: Subject, mode: str, precision: str, args, search: str = "run") -> dict:
+def bench_nmt(subject: Subject, mode: str, precision: str, args, search: str = "run") -> Bench:
     from nmt.decode_process import helping
     from nmt.engine import open_engine
     from nmt.models.base import fixed_weights
@@ -409,7 +451,7 @@ def bench_nmt(subject: Subject, mode: str, precision: str, args, search: str = "
             return decode_batches(model, srcs, opts, device, precision, workers, None, helpers)
 
         with fixed_weights(model):
-            times, outputs = timed_passes(decode_pass, batches, args, workers)
+            times, outputs = yield from timed_passes(decode_pass, batches, args, workers)
             profile = None
             if args.profile:  # one batch at a time, in this thread (and its intra-op threads)
                 profile = bu.profile_ops(lambda b: decode_pass([b]), batches, args.profile, "batch")
@@ -438,7 +480,7 @@ def other_tokens(args) -> int:
     return args.fixed_len + 1 if args.match == "steps" else args.fixed_len
 
 
-def bench_hf(model, subject: Subject, mode: str, precision: str, workers: int, args) -> dict:
+def bench_hf(model, subject: Subject, mode: str, precision: str, workers: int, args) -> Bench:
     from nmt.device import autocast
 
     new = other_tokens(args)
@@ -458,7 +500,7 @@ def bench_hf(model, subject: Subject, mode: str, precision: str, workers: int, a
         with torch.no_grad(), autocast(device, precision):
             return model.generate(input_ids=src, attention_mask=(src != 0).long(), **kwargs)
 
-    times, outputs = timed_passes(in_workers(decode, workers), batches, args, workers)
+    times, outputs = yield from timed_passes(in_workers(decode, workers), batches, args, workers)
     out_len = float(np.mean([o.size(1) - 1 for o in outputs]))  # minus the decoder start token
     return peer_row("hf-generate", mode, precision, workers, times, subject, new, out_len, args)
 
@@ -489,7 +531,7 @@ def convert_ct2(cfg, tokenizer, seed: int, workdir: Path) -> Path:
 
 def bench_ct2(
     model_dir: Path, subject: Subject, mode: str, compute_type: str, workers: int, args
-) -> dict:
+) -> Bench:
     import ctranslate2
 
     new = other_tokens(args)
@@ -518,7 +560,7 @@ def bench_ct2(
         )
         return [results]
 
-    times, outputs = timed_passes(decode_pass, batches, args, workers)
+    times, outputs = yield from timed_passes(decode_pass, batches, args, workers)
     out_len = float(np.mean([len(r.hypotheses[0]) for out in outputs for r in out]))
     precision = {"float32": "fp32", "bfloat16": "bf16"}.get(compute_type, compute_type)
     return peer_row("ctranslate2", mode, precision, workers, times, subject, new, out_len, args)
@@ -528,7 +570,7 @@ RUN_COMPUTE_TYPES = ("float32", "bfloat16", "int8", "int8_float32", "int8_bfloat
 CT2_PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
 
 
-def bench_ct2_run(subject: Subject, mode: str, compute_type: str, workers: int, args) -> dict:
+def bench_ct2_run(subject: Subject, mode: str, compute_type: str, workers: int, args) -> Bench:
     """The trained run's own model in CTranslate2 (`compute_type`), through nmt's engine."""
     from nmt.engine import CT2Engine
     from nmt.translate import search_options
@@ -546,7 +588,7 @@ def bench_ct2_run(subject: Subject, mode: str, compute_type: str, workers: int, 
     def decode_pass(bs):  # one call: CTranslate2 runs its batches on its workers
         return [engine.translate([t for b in bs for t in b], opts, batch_tokens, workers=workers)]
 
-    times, outputs = timed_passes(decode_pass, batches, args, workers)
+    times, outputs = yield from timed_passes(decode_pass, batches, args, workers)
     out_len = float(np.mean([len(n[0][1].tokens) if n else 0 for out in outputs for n in out]))
     precision = CT2_PRECISION.get(compute_type, compute_type)
     host = "default" if args.peers_only else "nmt"
@@ -605,13 +647,13 @@ def main(argv: list[str] | None = None) -> dict:
     machine = bu.machine_info()  # before the runs: CTranslate2 changes the thread count
     notes: list[str] = []
     subjects = load_subjects(args)
-    rows: list[dict] = []
+    scope = contextlib.ExitStack()  # what the rows need until they are timed (in_rounds)
+    benches: list[Bench] = []
     for subject in [] if args.peers_only else subjects:
         for mode in args.modes:
             for precision in args.precisions:
                 for search in searches(subject, mode, args):
-                    rows.append(bench_nmt(subject, mode, precision, args, search))
-        gc.collect()
+                    benches.append(bench_nmt(subject, mode, precision, args, search))
 
     transformer = next((s for s in subjects if s.arch == "transformer"), subjects[0])
     use_hf = args.hf == "on" or (args.hf == "auto" and bu.hf_available())
@@ -637,9 +679,7 @@ def main(argv: list[str] | None = None) -> dict:
         for mode in args.modes:
             for precision in [p for p in args.precisions if p in bu.PRECISIONS]:  # no HF int8
                 for workers in args.peer_workers:
-                    rows.append(bench_hf(model, transformer, mode, precision, workers, args))
-        del model
-        gc.collect()
+                    benches.append(bench_hf(model, transformer, mode, precision, workers, args))
     if use_ct2 and here:
         import ctranslate2
 
@@ -651,14 +691,14 @@ def main(argv: list[str] | None = None) -> dict:
         for p in asked:
             if wanted[p] not in supported:
                 notes.append(f"CTranslate2 {wanted[p]} is not supported on this CPU; skipped")
-        with tempfile.TemporaryDirectory(prefix="bench_ct2_") as tmp:
-            model_dir = convert_ct2(
-                bu.load_recipe("transformer"), transformer.tokenizer, args.seed, Path(tmp)
-            )
-            for mode in args.modes:
-                for ct in types:
-                    for workers in args.peer_workers:
-                        rows.append(bench_ct2(model_dir, transformer, mode, ct, workers, args))
+        tmp = scope.enter_context(tempfile.TemporaryDirectory(prefix="bench_ct2_"))
+        model_dir = convert_ct2(
+            bu.load_recipe("transformer"), transformer.tokenizer, args.seed, Path(tmp)
+        )
+        for mode in args.modes:
+            for ct in types:
+                for workers in args.peer_workers:
+                    benches.append(bench_ct2(model_dir, transformer, mode, ct, workers, args))
 
     run_subjects = [s for s in subjects if s.run and s.arch == "transformer"]
     use_run_ct2 = args.run_ct2 != "off" and bool(run_subjects)
@@ -680,9 +720,12 @@ def main(argv: list[str] | None = None) -> dict:
             for mode in args.modes:
                 for ct in types:
                     for workers in args.peer_workers:
-                        rows.append(bench_ct2_run(subject, mode, ct, workers, args))
-            gc.collect()
+                        benches.append(bench_ct2_run(subject, mode, ct, workers, args))
 
+    with scope:
+        rows = in_rounds(benches, args.threads)
+        del benches
+    gc.collect()
     if args.peers_only:  # the child: its rows go to the parent through --json
         Path(args.json).write_text(json.dumps({"rows": rows, "notes": notes}, default=str))
         return {"rows": rows}

@@ -139,11 +139,41 @@ def test_bench_decode_decodes_a_runs_rows_as_nmt_translate_decodes_many_lines():
     helped_args, alone_args = bd.parse_args(argv), bd.parse_args([*argv, "--helpers", "off"])
     assert helped_args.helpers == "auto"
     (subject,) = bd.load_subjects(helped_args)
-    helped = bd.bench_nmt(subject, "beam", "fp32", helped_args)
-    alone = bd.bench_nmt(subject, "beam", "fp32", alone_args)
+    helped, alone = bd.in_rounds(
+        [
+            bd.bench_nmt(subject, "beam", "fp32", helped_args),
+            bd.bench_nmt(subject, "beam", "fp32", alone_args),
+        ],
+        2,
+    )
     assert (helped["worker_processes"], alone["worker_processes"]) == (2, 1)
     assert helped["workers"] == alone["workers"] == 2
     assert helped["mean_output_tokens"] == alone["mean_output_tokens"]
+
+
+def test_bench_decode_times_every_rows_passes_in_rounds():
+    """All rows warm up before any is timed; then each round times one pass of every row in
+    turn, and each row gets its own times and last outputs back."""
+    import bench_decode as bd
+
+    args = bd.parse_args(["--repeats", "3", "--warmup", "1"])
+    calls = []
+
+    def bench(name, rows):
+        def decode_pass(batches):
+            calls.append((name, len(batches)))
+            return [name] * len(batches)
+
+        times, outputs = yield from bd.timed_passes(decode_pass, list(range(4)), args, rows)
+        return {"name": name, "times": times, "outputs": outputs}
+
+    a, b = bd.in_rounds([bench("a", 1), bench("b", 2)], 2)
+    # warm-ups (--warmup batches per worker), then rounds of full passes: a, b, a, b, a, b
+    assert calls == [("a", 1), ("b", 2), *[("a", 4), ("b", 4)] * 3]
+    assert (a["name"], b["name"]) == ("a", "b")
+    assert len(a["times"]) == len(b["times"]) == 3 and all(t >= 0 for t in a["times"])
+    assert a["outputs"] == ["a"] * 4 and b["outputs"] == ["b"] * 4
+    assert torch.get_num_threads() == 2  # each pass starts at the threads asked for
 
 
 def test_bench_memory_splits_a_runs_wall_time_by_the_trainers_own_clocks(tmp_path):
