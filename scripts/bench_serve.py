@@ -29,6 +29,11 @@ What is measured
     median pass. Also
     how many of the server's translations equal the offline ones (batches of other
     sentences may change bf16 rounding, rarely the words).
+  * With --rounds R (R > 1): R rounds, each one offline pass (in this process, the server up
+    and idle: no request in flight) and then every --clients row; each row is also set against
+    its own round's pass (column "x round's offline"), and each client count gets the median
+    of its rounds. On a machine whose speed drifts within minutes, a row and the offline pass
+    just before it meet about the same speed; the passes before and after the server do not.
   * With --alone, decoding alone at each client count C, after the server has stopped: the
     decoding processes the server runs, fed directly by a thread each that keeps its share of
     C sentences in flight (`alone`). The server's figure over this one is what HTTP, the
@@ -42,6 +47,8 @@ Commands:
       python scripts/bench_serve.py --run runs/multi30k_transformer --json runs/bench_serve.json
   # the README goal: 32 clients, beam 5
   ... scripts/bench_serve.py --run runs/multi30k_transformer --clients 32 --beam 5
+  # the same in 5 rounds, each served row against the offline pass just before it
+  ... scripts/bench_serve.py --run RUN --clients 32 --seconds 30 --offline-repeats 1 --rounds 5
   # several client counts, server settings:
   ... scripts/bench_serve.py --run RUN --clients 1 8 32 64 --max-wait-ms 10 --workers 2
   # where the time goes at 32 clients: the server, decoding alone, offline
@@ -98,6 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "baseline stays `nmt translate`",
     )
     p.add_argument("--offline-repeats", type=int, default=3)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of one offline pass (the server idle) and every --clients row; each row "
+        "is also set against its own round's offline pass",
+    )
     p.add_argument("--no-offline", action="store_true", help="skip the offline baseline")
     p.add_argument(
         "--alone",
@@ -323,6 +337,25 @@ def alone(args: argparse.Namespace, sentences: list[str]) -> dict[int, dict[str,
             child.close()
 
 
+def by_rounds(rows: list[dict[str, Any]], clients_values: list[int]) -> list[dict[str, Any]]:
+    """--rounds: for each client count, the median of its rows' sentences/s and of their
+    ratios to their own round's offline pass (rows without one are left out)."""
+    summary = []
+    for clients in dict.fromkeys(clients_values):
+        mine = [r for r in rows if r["clients"] == clients and "ratio_to_round_offline" in r]
+        if mine:
+            ratios = [r["ratio_to_round_offline"] for r in mine]
+            summary.append(
+                {
+                    "clients": clients,
+                    "sentences_per_s_median": bu.median([r["sentences_per_s"] for r in mine]),
+                    "ratio_to_round_offline_median": bu.median(ratios),
+                    "ratios": ratios,
+                }
+            )
+    return summary
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     bu.default_env()
@@ -351,7 +384,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         warm = asyncio.run(load(port, sentences[: args.warmup], 8, args.beam, 60))
         print(f"warm-up: {warm['requests']} requests")
-        for clients in args.clients:
+        round_offline = None  # this round's offline rate (--rounds)
+        rounds = itertools.product(range(args.rounds), enumerate(args.clients))
+        for rnd, (k, clients) in rounds:
+            if passes is not None and args.rounds > 1 and k == 0:
+                # the round's offline pass, the server idle beside it (no request in flight)
+                round_offline = len(sentences) / passes(1)["seconds"][0]
+                print(f"round {rnd + 1}: offline nmt translate {round_offline:.1f} sentences/s")
             load_avg = os.getloadavg()[0]
             _, before = get_json(f"http://{HOST}:{port}/stats")
             row = asyncio.run(load(port, sentences, clients, args.beam, args.seconds))
@@ -361,6 +400,11 @@ def main(argv: list[str] | None = None) -> None:
             in_steps = (after["sentences_per_step"] or 0) * after["steps"] - (
                 (before["sentences_per_step"] or 0) * before["steps"]
             )
+            if args.rounds > 1:
+                row["round"] = rnd + 1
+            if round_offline is not None:
+                row["round_offline_sentences_per_s"] = round_offline
+                row["ratio_to_round_offline"] = row["sentences_per_s"] / round_offline
             row.update(
                 load_average_1m=load_avg,
                 batches=batches,
@@ -430,6 +474,8 @@ def main(argv: list[str] | None = None) -> None:
             ("p99_ms", "p99 ms"),
             ("sentences_per_step", "sent/step"),
             ("ratio_to_offline", "x offline"),
+            ("round", "round"),
+            ("ratio_to_round_offline", "x round's offline"),
             ("identical_to_offline", "same text"),
             ("alone_sentences_per_s", "alone sent/s"),
             ("alone_ratio_to_offline", "alone x offline"),
@@ -438,10 +484,20 @@ def main(argv: list[str] | None = None) -> None:
         title=f"nmt serve, beam {args.beam}, {args.run}"
         + (f" (offline: {base['sentences_per_s']:.1f} sentences/s)" if base else ""),
     )
+    summary = by_rounds(rows, args.clients) if args.rounds > 1 else []
+    for entry in summary:
+        print(
+            f"{entry['clients']} clients over {len(entry['ratios'])} rounds: "
+            f"{entry['sentences_per_s_median']:.1f} sentences/s (median), "
+            f"{entry['ratio_to_round_offline_median']:.3f} of the round's offline rate (median; "
+            + ", ".join(f"{x:.3f}" for x in entry["ratios"])
+            + ")"
+        )
     bu.write_json(
         args.json,
         {
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "rounds": summary,
             "machine": info,
             "settings": {
                 k: getattr(args, k)

@@ -202,3 +202,31 @@ def test_bench_memory_splits_a_runs_wall_time_by_the_trainers_own_clocks(tmp_pat
     assert rate["tokens_per_step_second"] == pytest.approx(3000 / 120)
     assert rate["steps_share_of_logged"] == pytest.approx(40 / 50)
     assert rate["unlogged_share"] == pytest.approx(10 / 60)
+
+
+def test_bench_serve_sets_each_row_against_its_own_rounds_offline_pass():
+    """--rounds: every client count's rows over the rounds, each against the offline pass of
+    its own round (the median of those ratios, not a ratio of medians taken at other times)."""
+    import bench_serve
+
+    args = bench_serve.parse_args(["--run", "RUN", "--clients", "8", "32", "--rounds", "3"])
+    assert args.rounds == 3 and bench_serve.parse_args(["--run", "RUN"]).rounds == 1
+    offline = [200.0, 150.0, 180.0]  # each round's offline rate
+    served = {8: [60.0, 50.0, 54.0], 32: [120.0, 120.0, 117.0]}
+    rows = [
+        {
+            "clients": c,
+            "round": r + 1,
+            "sentences_per_s": served[c][r],
+            "ratio_to_round_offline": served[c][r] / offline[r],
+        }
+        for r in range(3)
+        for c in (8, 32)
+    ]
+    rows.append({"clients": 64, "sentences_per_s": 130.0})  # no round's pass: left out
+    eight, thirty_two = bench_serve.by_rounds(rows, [8, 32, 64])
+    assert eight["clients"] == 8 and eight["sentences_per_s_median"] == 54.0
+    assert eight["ratios"] == pytest.approx([0.3, 1 / 3, 0.3])
+    assert eight["ratio_to_round_offline_median"] == pytest.approx(0.3)
+    assert thirty_two["ratio_to_round_offline_median"] == pytest.approx(0.65)
+    assert thirty_two["sentences_per_s_median"] == 120.0
