@@ -72,17 +72,15 @@ def logged_rate(metrics: Path, settle_minutes: float) -> dict[str, float]:
     later = [r for r in train if r["minutes"] >= settle_minutes]
     if len(later) < 2:
         return {}
-    tokens = seconds = 0.0
+    # Besides the wall clock between records, the trainer's own clocks over them: each
+    # record's window (its tokens over its tokens_per_s: the wall time it logs, validation and
+    # checkpoints left out) and its time in train_step (`step_seconds`). Shares within one
+    # run, which a machine's speed drifting between runs does not move.
+    tokens = seconds = stepped = windows = 0.0
     for prev, r in zip(later, later[1:]):
         dt = (r["minutes"] - prev["minutes"]) * 60
         tokens += r["tokens_per_s"] * dt
         seconds += dt
-    # The trainer's own clocks over the same records: each record's window (its tokens over
-    # its tokens_per_s: the wall time it logs, validation and checkpoints left out) and its
-    # time in train_step (`step_seconds`). Shares within one run, which a machine's speed
-    # drifting between runs does not move.
-    stepped = windows = 0.0
-    for prev, r in zip(later, later[1:]):
         windows += (r["tokens"] - prev["tokens"]) / r["tokens_per_s"]
         stepped += r["step_seconds"]
     counted = later[-1]["tokens"] - later[0]["tokens"]
@@ -97,15 +95,18 @@ def logged_rate(metrics: Path, settle_minutes: float) -> dict[str, float]:
 
 
 def step_rate(args: argparse.Namespace) -> float:
-    """The recipe's training step alone: `scripts/bench_model.py` (nmt, the precision `auto`
-    resolves to on this CPU, the run's --set overrides) in a subprocess; its target tok/s."""
-    from nmt.cpu import cpu_has_bf16
+    """The recipe's training step alone: `scripts/bench_model.py` (nmt, the precision the run
+    trains in on this CPU, the run's --set overrides) in a subprocess; its target tok/s."""
+    import torch
+
+    from nmt.device import resolve_precision
 
     recipe = Path(args.recipe).resolve()
     arch = next((a for a, path in bu.RECIPES.items() if Path(path).resolve() == recipe), None)
     if arch is None:
         raise SystemExit(f"--step-rate times the recipes of {sorted(bu.RECIPES)} only")
-    precision = "bf16" if cpu_has_bf16() else "fp32"
+    cfg = bu.load_recipe(arch, args.sets)
+    precision = resolve_precision(cfg.train.precision, torch.device("cpu"))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench_model.json"
         cmd = [sys.executable, str(Path(__file__).with_name("bench_model.py")), "--archs", arch]
