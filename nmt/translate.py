@@ -235,9 +235,14 @@ def map_in_workers(
     done: Callable[[Any], None] | None = None,
     stop: threading.Event | None = None,
     helpers: list[Callable[[Any], Any]] | None = None,
+    cost: Callable[[Any], Any] | None = None,
 ) -> list:
     """[fn(x) for x in items], `workers` items at once in threads that split torch's intra-op
     threads between them (one at a time for 1); done(x) after each result, in item order.
+    With `cost` and several workers, the items start costliest first (ties in item order),
+    and done(x) follows that order: the workers end on cheap items rather than one waiting
+    at the end for another's long one (the longest-processing-time-first rule; CTranslate2
+    starts its batches longest first). The results are in item order either way.
     With `helpers` (at most workers - 1 are used), a thread that takes a helper at its first
     item calls helper(x) instead of fn(x) for all its items (fn(x) once the helper raises
     `HelperUnavailable`); the items go to whichever thread is free, so a helper that is slow
@@ -247,7 +252,6 @@ def map_in_workers(
     (a search does, at every step) ends early, so Ctrl-C stops a decode at once instead of
     after the batches in flight (~1 s). The first error an item raised is raised, not the
     stops it caused in the others."""
-    results = []
     spare: queue.SimpleQueue = queue.SimpleQueue()  # helpers no thread has taken yet
     for helper in (helpers or [])[: max(0, workers - 1)]:
         spare.put(helper)
@@ -267,6 +271,7 @@ def map_in_workers(
         return fn(x)
 
     if workers == 1:
+        results = []
         for x in items:
             results.append(fn(x))
             if done:
@@ -280,26 +285,30 @@ def map_in_workers(
             if stop is not None:
                 stop.set()
 
+    order = list(range(len(items)))
+    if cost is not None:
+        order.sort(key=lambda i: cost(items[i]), reverse=True)  # stable: ties in item order
     with intra_op_threads(worker_threads(workers)):
         pool = ThreadPoolExecutor(workers, thread_name_prefix="nmt-decode")
-        futures = [pool.submit(work, x) for x in items]
-        for future in futures:
+        futures = {i: pool.submit(work, items[i]) for i in order}  # started in this order
+        for future in futures.values():
             future.add_done_callback(on_done)
+        out: list = [None] * len(items)
         try:
-            for x, future in zip(items, futures):
+            for i, future in futures.items():
                 try:
-                    results.append(future.result())
+                    out[i] = future.result()
                 except Exception as e:
                     raise (failed[0] if failed else e) from None
                 if done:
-                    done(x)
+                    done(items[i])
         except BaseException:
             if stop is not None:
                 stop.set()
             raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-    return results
+    return out
 
 
 def decode_batch(
@@ -338,7 +347,11 @@ def decode_batches(
     would be alone; the weights are packed once for all of them. With `helpers` (decoders
     in other processes: `nmt.decode_process.helping`), all but one of the workers hand
     their batches to a helper each, so that only one search takes turns at this process'
-    interpreter lock.
+    interpreter lock. The batches start longest first (`source_width`): ending on short
+    ones, the workers end together. The 1,000 test sentences in batches of 64 (int8, 2
+    workers, one a helper), four pairs of passes alternating: 251-271 sentences/s shortest
+    first, the workers idle 0.31-0.50 s in all at the end; 267-287 longest first, 0.02-0.07 s,
+    the same outputs. `nmt translate`'s batches of a token budget: the same speed either way.
     """
     model.eval()
     stop = threading.Event()  # set on an error or Ctrl-C: the batches in flight end early
@@ -361,8 +374,14 @@ def decode_batches(
     # a helper searches with these options and stops with the others (map_in_workers calls
     # helper(src))
     bound = [functools.partial(helper, opts=opts, stop=stop) for helper in helpers or ()]
-    with fixed_weights(model):
-        return map_in_workers(run, batches, n_workers, done, stop, bound)
+    with fixed_weights(model):  # the longest sources first (`map_in_workers`)
+        return map_in_workers(run, batches, n_workers, done, stop, bound, source_width)
+
+
+def source_width(src: Tensor) -> int:
+    """Source positions of a batch src[B,S] (its longest source, padded): the cost by which
+    `decode_batches` orders its batches, longest first."""
+    return src.size(1)
 
 
 def source_batch(sources: list[list[int]]) -> Tensor:

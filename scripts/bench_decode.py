@@ -356,10 +356,14 @@ def in_rounds(benches: list[Bench], threads: int) -> list[dict]:
 
 
 def in_workers(decode_batch, workers: int):
-    """A pass function decoding `workers` batches at once, as nmt's decode_batches does."""
-    from nmt.translate import map_in_workers
+    """A pass function decoding `workers` batches (index, src) at once, as nmt's
+    decode_batches does (the longest sources first)."""
+    from nmt.translate import map_in_workers, source_width
 
-    return lambda batches: map_in_workers(decode_batch, batches, workers)
+    def cost(batch):
+        return source_width(batch[1])
+
+    return lambda batches: map_in_workers(decode_batch, batches, workers, cost=cost)
 
 
 def row_of(

@@ -727,6 +727,25 @@ def test_map_in_workers_hands_items_to_helpers_and_falls_back_when_one_is_gone()
     assert len(gone) == 1 and calls.count("fn") == 40  # called once, never again
 
 
+def test_map_in_workers_starts_the_costliest_items_first():
+    """With a cost and several workers, items are handed to the pool (which starts them in
+    that order) and reported to `done` costliest first, ties in item order; the results stay
+    in item order. One worker keeps item order."""
+    from nmt.translate import map_in_workers
+
+    items = [3, 9, 1, 9, 5, 2, 7]
+    done: list[int] = []
+    costs = {x: x // 2 for x in items}  # 9 and 9 tie, 3 and 2 tie
+    result = map_in_workers(lambda x: -x, items, 2, done.append, None, None, costs.__getitem__)
+    assert result == [-x for x in items]
+    assert done == [9, 9, 7, 5, 3, 2, 1]
+    done.clear()
+    assert (
+        map_in_workers(lambda x: -x, items, 1, done.append, None, None, costs.__getitem__) == result
+    )
+    assert done == items
+
+
 def test_a_helper_whose_process_cannot_start_leaves_the_batches_to_this_process(
     run, caplog, monkeypatch
 ):
