@@ -666,6 +666,26 @@ def test_parallel_workers_decode_as_one(trained, beam):
     assert all(m.weight_cache is None for m in model.modules() if isinstance(m, PackedInference))
 
 
+def test_parallel_workers_start_the_longest_batches_first(transformer):
+    """Workers take the batches with the longest sources first (the progress callback
+    hears of them in that order: their sizes tell them apart); the results come back in
+    batch order, as one worker gives them."""
+    from nmt.translate import decode_batches, source_batch
+
+    model, sources = transformer.model, sorted(transformer.sources[:40], key=len)
+    batches = [source_batch(sources[:3]), source_batch(sources[-2:]), source_batch(sources[10:14])]
+    widths = [b.size(1) for b in batches]
+    assert widths[1] > widths[2] > widths[0]
+    opts = SearchOptions(beam=2)
+    one = decode_batches(model, batches, opts, CPU, "fp32", workers=1)
+    sizes: list[int] = []
+    two = decode_batches(model, batches, opts, CPU, "fp32", workers=2, progress=sizes.append)
+    assert sizes == [2, 4, 3]  # widest sources first, then narrower
+    assert [[h.tokens for h in n] for b in two for n in b] == [
+        [h.tokens for h in n] for b in one for n in b
+    ]
+
+
 def test_parallel_workers_split_the_threads(transformer):
     """With 2 threads, 2 workers of 1 thread each decode the tokens 1 worker of 2 threads does;
     afterwards torch has its 2 threads again."""
