@@ -706,3 +706,35 @@ def test_a_small_attention_step_sums_products_as_the_batched_one(keys, queries, 
     monkeypatch.setattr(tr, "SMALL_PRODUCT", 400)
     tr.attend_step(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
     assert len(calls) <= 1  # bf16 rounds each product: never the summed broadcast
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compiled_attention_step_traces_broadcast_products(dtype):
+    """What `torch.compile` traces of `attend_step` on CPU (`compile_decoding`'s layers) is
+    `small_attend_step`'s broadcast products and sums at every size, for inductor to make
+    loops of with the cache writes and the softmax: no batched matmul in the graph, and the
+    batched products' values up to summation order (fp32; run here by the graph itself)."""
+    import nmt.models.transformer as tr
+
+    graphs = []
+
+    def keep(gm, example_inputs):  # a backend that runs the traced graph as it is
+        graphs.append(gm)
+        return gm.forward
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(6, 4, 5, 64, generator=g)  # 5 queries a row against 20 keys: large
+    k, v = torch.randn(2, 6, 4, 20, 64, generator=g)
+    mask = torch.ones(6, 1, 1, 20, dtype=torch.bool)
+    mask[0, ..., 13:] = False
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    y, w = torch.compile(tr.attend_step, backend=keep, dynamic=True, fullgraph=True)(q, k, v, mask)
+    ops = {str(node.target) for gm in graphs for node in gm.graph.nodes}
+    assert graphs and not any("bmm" in op or "matmul" in op for op in ops), ops
+    assert any("sum" in op for op in ops)
+    y_ref, w_ref = tr.attend_step(q, k, v, mask)  # eager: the batched products
+    assert y.dtype == y_ref.dtype == dtype and w.dtype == w_ref.dtype == torch.float32
+    if dtype == torch.float32:
+        torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=0)
+        torch.testing.assert_close(y, y_ref, atol=3e-6, rtol=0)
+    assert (w[0, :, :, 13:] == 0).all() and (w_ref[0, :, :, 13:] == 0).all()
