@@ -433,8 +433,7 @@ class Transformer(nn.Module):
         whose weights no longer change (one loaded to decode): the graphs hold the weights as
         constants. The first calls compile, seconds to minutes each; a batch of one sentence and
         a step of one hypothesis per sentence make graphs of their own (`NMTEngine.warm_up`
-        meets them all).
-        The same translations as eager decoding up to rounding."""
+        meets them all). The same translations as eager decoding up to rounding."""
         from torch.fx.experimental import _config as shapes_config
 
         dynamo = torch._dynamo.config
