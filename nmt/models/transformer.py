@@ -85,11 +85,12 @@ def attend_step(
     """
     b, h, tq, dh = q.shape
     s = k.size(2)
-    if q.device.type == "cpu" and torch.compiler.is_compiling():
-        # inductor's own loops (see small_attend_step) at every size: compiled code asks
-        # nothing of its shapes here, a size compared would guard its graphs
-        return small_attend_step(q, k, v, mask)
-    if q.device.type == "cpu" and q.dtype == torch.float32 and tq * s * dh < SMALL_PRODUCT:
+    # On CPU, compiled code takes the broadcast products at every size (inductor's own loops,
+    # see small_attend_step) and asks nothing of its shapes (a size compared would guard its
+    # graphs); eager code takes them in fp32 below ATen's scalar-loop size.
+    if q.device.type == "cpu" and (
+        torch.compiler.is_compiling() or (q.dtype == torch.float32 and tq * s * dh < SMALL_PRODUCT)
+    ):
         return small_attend_step(q, k, v, mask)
     keys = k.reshape(b * h, s, dh).transpose(1, 2)
     # baddbmm's input, ignored with beta=0 on CPU and CUDA; zeros, not empty memory, because
