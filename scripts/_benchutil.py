@@ -118,6 +118,27 @@ def status_kb(pid: int | str = "self") -> dict[str, int]:
     return out
 
 
+def cpu_seconds(pid: int | str = "self") -> float | None:
+    """User and system CPU time a process has used so far, in seconds (None once it is gone,
+    or where there is no /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` has started and that still run (/proc; [] without it)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return sorted(out)
+
+
 def memory_now() -> dict[str, float]:
     """This process' resident memory and its peak, and what its allocator holds in use and
     kept free (`nmt.allocator.heap_bytes`), in MB; oneDNN's kernel cache size beside them."""

@@ -15,6 +15,10 @@ What is measured
     of asyncio streams (HTTP/1.1, Content-Length), so that the load generator takes little of
     the 2 cores the server shares with it; its CPU time is reported (client_cpu_s). Every
     answer must be 200 with one translation.
+  * CPU over a row, in cores (CPU seconds per second of the row, /proc): the server's own
+    process (HTTP, the queue, the threads that schedule the decoding), its decoding processes
+    together, and the load generator. On 2 cores every tenth of a core the first and the last
+    take is taken from decoding.
   * requests/s and sentences/s: over the row's wall time, first request sent to last answer
     received; latencies from writing a request to reading its whole answer (p50, p95, p99,
     max). Batches (groups of sentences taken from the queue at once) and decoding steps, and
@@ -225,6 +229,16 @@ async def load(
     }
 
 
+def processes_cpu(pid: int) -> tuple[float, float] | None:
+    """CPU seconds so far of the server's process and of its children together (its
+    decoding processes), or None where /proc cannot tell."""
+    own = bu.cpu_seconds(pid)
+    children = [bu.cpu_seconds(c) for c in bu.child_pids(pid)]
+    if own is None or not children or None in children:
+        return None
+    return own, sum(children)
+
+
 def offline(args: argparse.Namespace, sentences: list[str]):
     """`nmt translate RUN --beam B --precision P` on the sentences, in this process: returns
     `passes(n)`, which times n passes over them (after a warm-up on 64 sentences)."""
@@ -393,7 +407,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"round {rnd + 1}: offline nmt translate {round_offline:.1f} sentences/s")
             load_avg = os.getloadavg()[0]
             _, before = get_json(f"http://{HOST}:{port}/stats")
+            cpu_before = processes_cpu(server.pid)
             row = asyncio.run(load(port, sentences, clients, args.beam, args.seconds))
+            cpu_after = processes_cpu(server.pid)
             _, after = get_json(f"http://{HOST}:{port}/stats")
             batches = after["batches"] - before["batches"]
             steps = after["steps"] - before["steps"]
@@ -414,6 +430,12 @@ def main(argv: list[str] | None = None) -> None:
                 graphs_compiled=after["graphs_compiled_while_serving"]
                 - before["graphs_compiled_while_serving"],
             )
+            if cpu_before is not None and cpu_after is not None:
+                # cores' worth of CPU time over the row: the server's own process (HTTP, the
+                # queue, the scheduling threads) and its decoding processes together
+                row["server_cpu"] = (cpu_after[0] - cpu_before[0]) / row["seconds"]
+                row["decoders_cpu"] = (cpu_after[1] - cpu_before[1]) / row["seconds"]
+                row["client_cpu"] = row["client_cpu_s"] / row["seconds"]
             rows.append(row)
             print(
                 f"{clients} clients: {row['sentences_per_s']:.1f} sentences/s, p99 "
@@ -477,6 +499,9 @@ def main(argv: list[str] | None = None) -> None:
             ("round", "round"),
             ("ratio_to_round_offline", "x round's offline"),
             ("identical_to_offline", "same text"),
+            ("server_cpu", "server cores"),
+            ("decoders_cpu", "decoders cores"),
+            ("client_cpu", "client cores"),
             ("alone_sentences_per_s", "alone sent/s"),
             ("alone_ratio_to_offline", "alone x offline"),
             ("load_average_1m", "load"),

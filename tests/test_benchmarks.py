@@ -230,3 +230,36 @@ def test_bench_serve_sets_each_row_against_its_own_rounds_offline_pass():
     assert eight["ratio_to_round_offline_median"] == pytest.approx(0.3)
     assert thirty_two["ratio_to_round_offline_median"] == pytest.approx(0.65)
     assert thirty_two["sentences_per_s_median"] == 120.0
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_bench_serve_counts_the_cpu_time_of_the_server_and_of_its_children_apart():
+    """A row's CPU columns: the server's own process and its children (the decoding
+    processes) from /proc, each counted where it was spent."""
+    import subprocess
+    import time
+
+    import bench_serve
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
+    child = subprocess.Popen([sys.executable, "-c", spin + "time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (bu.cpu_seconds(child.pid) or 0) < 0.6:
+            time.sleep(0.05)  # until it has spun its 0.6 s
+        spent = bu.cpu_seconds(child.pid)
+        assert child.pid in bu.child_pids(os.getpid())
+        assert 0.6 <= spent < 2.0  # the interpreter's start and the spin, no more
+        own, children = bench_serve.processes_cpu(os.getpid())
+        assert children >= spent  # with any other child this process has
+        t = time.process_time()
+        while time.process_time() - t < 0.3:  # this process spins: counted as its own
+            pass
+        own_after, children_after = bench_serve.processes_cpu(os.getpid())
+        assert own_after - own >= 0.25
+        assert children_after - children < 0.05  # the child sleeps
+    finally:
+        child.kill()
+        child.wait()
+    assert child.pid not in bu.child_pids(os.getpid())
+    assert bu.cpu_seconds(child.pid) is None  # gone
