@@ -81,7 +81,10 @@ class Stream(Protocol):
         """Lines added and not yet returned."""
 
     def add(self, lines: list[str], ids: list) -> None:
-        """Decode these (non-empty) lines from the next step on; `ids` name them in `step`."""
+        """Decode these (non-empty) lines from the next step on; `ids` name them in `step`.
+        Lines that cannot join raise here, or, in a stream that takes them in at the step (a
+        decoding process's, `nmt.decode_process.RemoteStream`), make that step raise
+        `JoinError` with the batch as it was."""
 
     def step(self) -> list[tuple[object, NBest]]:
         """Decode; (id, n-best) of the lines that are done."""

@@ -57,7 +57,7 @@ from starlette.exceptions import HTTPException
 
 from nmt import NMTError, __version__, config, first_line
 from nmt.config import Config
-from nmt.decode_process import DecodeProcess, DecodeProcessError, Load
+from nmt.decode_process import DecodeProcess, DecodeProcessError, JoinError, Load
 from nmt.device import resolve_precision
 from nmt.engine import ENGINES, Engine, NMTEngine, check_compile, open_engine
 from nmt.search import SearchOptions
@@ -362,6 +362,9 @@ class Slot:
 
     stream: Any  # nmt.engine.Stream
     members: dict[int, tuple[Job, int, int]] = field(default_factory=dict)
+    # added since the last step: a child's stream sends them with the step, which raises
+    # `JoinError` when they cannot join (`nmt.decode_process.RemoteStream`)
+    joining: list[int] = field(default_factory=list)
 
     def cost(self, extra: int = 0, longest: int = 0) -> int:
         """Sentences x the longest one's cost, with `extra` more of cost up to `longest`."""
@@ -657,14 +660,16 @@ class Batcher:
         except Exception as e:  # these sentences never joined the running batch
             self._recover(list(new.values()), e)
             return
-        if slot.members:
-            with self._cond:
-                self.stats.joined += len(new)
         slot.members.update(new)
+        slot.joining += new
 
     def _step(self, slot: Slot) -> None:
+        joining, slot.joining = slot.joining, []
         try:
             ended = slot.stream.step()
+        except JoinError as e:  # those added since the last step never joined; nothing stepped
+            self._recover([slot.members.pop(sid) for sid in joining], e)
+            return
         except Exception as e:  # the running batch is lost (the slot goes with its members)
             members = list(slot.members.values())
             slot.members.clear()
@@ -673,6 +678,8 @@ class Batcher:
         with self._cond:
             self.stats.steps += 1
             self.stats.step_sentences += len(slot.members)
+            if len(joining) < len(slot.members):  # beside sentences already decoding
+                self.stats.joined += len(joining)
         self._finish(
             [(slot.members.pop(sid), [(t, h.score) for t, h in nbest]) for sid, nbest in ended]
         )

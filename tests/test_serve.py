@@ -30,7 +30,7 @@ from fastapi.testclient import TestClient
 from test_translate_cli import FP32, PNG_MAGIC, nmt_cli, ok, one_line_error, read_gz_lines
 
 from nmt import NMTError, checkpoint
-from nmt.decode_process import DecodeProcess, DecodeProcessError, Load
+from nmt.decode_process import DecodeProcess, DecodeProcessError, JoinError, Load
 from nmt.engine import WARM_UP, NMTStream
 from nmt.models.base import count_parameters
 from nmt.serve import ModelSpec, ServeSettings, create_app, load_served, serve
@@ -489,6 +489,76 @@ def test_a_decoding_error_fails_its_request_alone(served, english, alone, caplog
     assert "Traceback" in logged and f"cannot decode {poison!r}" in logged
 
 
+class JoinsLate(Poisoned):
+    """An engine whose streams keep added lines until the step, as a decoding process's do
+    (`RemoteStream`), and cannot take one line: that step raises `JoinError`, having added
+    none of them; the lines decoded alone (`translate`) are noted."""
+
+    def __init__(self, engine, poison: str) -> None:
+        super().__init__(engine, poison)
+        self.alone: list[str] = []
+
+    def translate(self, lines, opts, **kwargs):
+        self.alone += lines
+        return super().translate(lines, opts, **kwargs)
+
+    def stream(self, opts):
+        return JoiningStream(self.engine.stream(opts), self.poison)
+
+
+class JoiningStream:
+    def __init__(self, stream, poison: str) -> None:
+        self.stream, self.poison, self.waiting = stream, poison, ([], [])
+
+    def __len__(self) -> int:
+        return len(self.stream) + len(self.waiting[0])
+
+    def add(self, lines, ids) -> None:
+        self.waiting[0].extend(lines)
+        self.waiting[1].extend(ids)
+
+    def step(self):
+        (lines, ids), self.waiting = self.waiting, ([], [])
+        if self.poison in lines:
+            raise JoinError(f"cannot take {self.poison!r}")
+        if lines:
+            self.stream.add(lines, ids)
+        return self.stream.step()
+
+
+def test_lines_that_cannot_join_fail_their_request_and_the_batch_decodes_on(
+    served, english, alone, caplog
+):
+    """A running batch in a stream that adds lines at the step (a decoding process's): when
+    the newcomers cannot join, their requests are decoded again alone (the one that fails
+    fails alone) and the sentences already decoding go on in the batch, not decoded again."""
+    poison = english[9]
+    engine = JoinsLate(served[0].engine, poison)
+    tiny = dataclasses.replace(served[0], engine=engine)
+    app = create_app([tiny], ServeSettings(max_wait_ms=0, workers=1))
+
+    async def run():
+        async with async_client(app) as c:
+            stats = app.state.nmt.batcher.stats
+            first = asyncio.ensure_future(c.post("/translate", json={"text": english[:6]}))
+            while stats.steps == 0:  # decoding: the next ones join it
+                await asyncio.sleep(0.001)
+            late = await asyncio.gather(
+                c.post("/translate", json={"text": [english[10], poison]}),
+                c.post("/translate", json={"text": english[11]}),
+            )
+            return await first, *late, stats.failed_requests
+
+    with caplog.at_level(logging.ERROR, logger="nmt.serve"):
+        first, bad, good, failed = asyncio.run(run())
+    assert texts(first.json()) == [alone(line)[0] for line in english[:6]]
+    assert bad.status_code == 500 and failed == 1
+    assert texts(good.json()) == [alone(english[11])[0]]
+    assert not set(english[:6]) & set(engine.alone)  # the batch decoded on: none again alone
+    assert poison in engine.alone
+    assert f"cannot take {poison!r}" in "\n".join(r.getMessage() for r in caplog.records)
+
+
 def decoding_children(pid: int) -> set[int]:
     """The decoding processes of process `pid`: its children started by multiprocessing's
     spawn (not its resource tracker)."""
@@ -577,20 +647,31 @@ def test_a_thread_whose_child_cannot_start_again_decodes_by_itself(served, engli
 
 def test_a_decoding_process_reports_its_errors(runs, served):
     """The child's errors are raised in the caller with its traceback, and leave its other
-    running batches as they were; a killed child fails its batches and is replaced; a model
-    that is not the one the server loaded (its checkpoint was saved again meanwhile) stops
-    the child at once with the reason."""
+    running batches as they were; lines that cannot join a batch leave it as it was (the
+    step that brought them raises `JoinError`, and the next one steps the others); a killed
+    child fails its batches and is replaced; a model that is not the one the server loaded
+    (its checkpoint was saved again meanwhile) stops the child at once with the reason."""
     load = Load.of("tiny", served[0].engine)
     opts = search_options(served[0].config.decode)
     process = DecodeProcess([load], threads=1).start()
     try:
         stream = process.stream("tiny", opts)
         stream.add(["A dog runs."], [7])
-        with pytest.raises(DecodeProcessError, match="a stream searches") as e:
-            process.stream("tiny", dataclasses.replace(opts, sample=True)).add(["a"], [8])
-        assert "in the decoding process:\nTraceback" in str(e.value)
-        with pytest.raises(DecodeProcessError, match="KeyError: 'nope'"):
-            process.stream("nope", opts).add(["a"], [9])
+        sampling = process.stream("tiny", dataclasses.replace(opts, sample=True))
+        sampling.add(["a"], [8])  # kept until its step
+        assert len(sampling) == 1
+        with pytest.raises(JoinError, match="a stream searches") as e:
+            sampling.step()
+        assert "in the decoding process:\nTraceback" in str(e.value) and len(sampling) == 0
+        unknown = process.stream("nope", opts)
+        unknown.add(["a"], [9])
+        with pytest.raises(JoinError, match="KeyError: 'nope'"):
+            unknown.step()
+        assert stream.step() == []  # the first step of "A dog runs.": it joins, nothing ends
+        stream.add([None], [10])  # not text: the child cannot tokenize it, it does not join
+        with pytest.raises(JoinError):
+            stream.step()
+        assert len(stream) == 1  # "A dog runs." decodes on
         ended = []
         while len(stream):
             ended += stream.step()
