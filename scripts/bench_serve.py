@@ -17,8 +17,8 @@ What is measured
     answer must be 200 with one translation.
   * CPU over a row, in cores (CPU seconds per second of the row, /proc): the server's own
     process (HTTP, the queue, the threads that schedule the decoding), its decoding processes
-    together, and the load generator. On 2 cores every tenth of a core the first and the last
-    take is taken from decoding.
+    together, and the load generator. On 2 cores, what the server's process and the load
+    generator take is taken from decoding.
   * requests/s and sentences/s: over the row's wall time, first request sent to last answer
     received; latencies from writing a request to reading its whole answer (p50, p95, p99,
     max). Batches (groups of sentences taken from the queue at once) and decoding steps, and
