@@ -14,10 +14,10 @@ model engine's stream (`nmt.engine`, as `nmt translate --engine` picks). Between
 it a thread takes waiting sentences in, up to `max_batch_tokens` (sentences x longest source x
 beam, padding included, as `nmt translate` packs) and its share of the work, a sentence of
 each waiting request in turn: with nmt's own search they join the sentences half-way through
-their translation (in-flight batching, `nmt.search.BeamStream`), each searched as it would be
-alone, and leave the batch as soon as they end; CTranslate2 decodes what was taken as one
-batch. So a long request shares the batch with the requests behind it, and a sentence waits
-for no other's end. An idle thread first gathers what arrives within `max_wait_ms`. Each
+their translation (in-flight batching, `nmt.search.BeamStream`; two at a time, a lone
+newcomer waiting one step for company), each searched as it would be alone, and leave the
+batch as soon as they end; CTranslate2 decodes what was taken as one batch. So a long request
+shares the batch with the requests behind it, and a sentence waits for no other's end. An idle thread first gathers what arrives within `max_wait_ms`. Each
 request is answered when its last sentence is decoded. The event loop only parses,
 validates and waits. With `ServeSettings.processes` (`nmt serve` but for --threads), each
 thread runs nmt's CPU searches in a child process of its own (`nmt.decode_process`).
@@ -35,6 +35,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import tempfile
 import threading
 import time
@@ -72,6 +73,11 @@ from nmt.translate import (
 log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).resolve().parent / "static"
+
+# A running batch takes newcomers this many at a time: a lone one that arrived during the last
+# step waits one step for company (`Batcher`). Taking a sentence in (encoding it, the decoder's
+# start, the join) costs about as much for two as for one.
+JOIN_TOGETHER = 2
 
 # (text, score) per hypothesis, best first, for every line: what an engine returns.
 NBest = list[tuple[str, float]]
@@ -346,6 +352,7 @@ class Stats:
     steps: int = 0  # decoding steps (a whole batch, for an engine without in-flight batching)
     step_sentences: int = 0  # sentences in those steps, summed
     joined: int = 0  # sentences that joined a batch half-way through others' decoding
+    held: int = 0  # steps at which a running batch left a lone newcomer for the next one
 
     def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -383,7 +390,9 @@ class Batcher:
     each of 32, not 32 beside an idle core); sentences of the requests with the fewest in
     flight first, so that a short request sent after a long one joins at once. With nmt's
     engine they join the sentences half-way through their translation (in-flight batching)
-    and leave when done. A thread with nothing to decode waits first until the oldest
+    and leave when done. A running batch takes them `JOIN_TOGETHER` at a time: one sentence
+    for it alone, arrived during its last step, waits one step more (no longer), for company
+    (under load, the next sentence arrives by then). A thread with nothing to decode waits first until the oldest
     waiting sentence has waited `max_wait` seconds, or nothing has arrived for a fifth of
     that (a burst of requests is over: a lone request does not wait the whole time), or the
     waiting sentences fill a batch. With 2 threads on 2 cores, each has half of torch's
@@ -517,8 +526,9 @@ class Batcher:
         started.wait()
         slots: dict[tuple[str, SearchOptions], Slot] = {}
         ids = itertools.count()
+        stepped = -math.inf  # when this thread's last round of steps began
         while True:
-            taken = self._next(slots)
+            taken = self._next(slots, stepped)
             if taken is None:
                 return
             for key, batch in taken:
@@ -531,6 +541,7 @@ class Batcher:
                         continue
                     slots[key] = Slot(stream)
                 self._add(slots[key], batch, ids)
+            stepped = time.monotonic()
             for key, slot in list(slots.items()):
                 if slot.members:
                     self._step(slot)
@@ -556,13 +567,16 @@ class Batcher:
     def _budget(self, jobs: deque[Job]) -> int:
         return self.budget or jobs[0].model.config.decode.batch_tokens
 
-    def _next(self, slots: dict[tuple[str, SearchOptions], Slot]) -> list | None:
-        """What to add to this thread's running batches before its next step: [(queue key,
-        [(job, line index, cost)])], possibly none; None once the server is closing and
-        nothing is left to decode."""
+    def _next(self, slots: dict[tuple[str, SearchOptions], Slot], stepped: float) -> list | None:
+        """What to add to this thread's running batches before its next step (its last round
+        of steps began at `stepped`): [(queue key, [(job, line index, cost)])], possibly none;
+        None once the server is closing and nothing is left to decode."""
         with self._cond:
             while True:
                 mine = sum(len(slot.members) for slot in slots.values())
+                if mine and self._queues and self._alone(mine, stepped):
+                    self.stats.held += 1
+                    return []
                 if self._queues and (mine or self._gathered()):
                     taken = self._take(slots, mine)
                     if self._queues:
@@ -579,6 +593,15 @@ class Batcher:
                 now = time.monotonic()
                 waited, quiet = now - jobs[0].arrived, now - jobs[-1].arrived
                 self._cond.wait(min(self.max_wait - waited, self.max_wait / 5 - quiet))
+
+    def _alone(self, mine: int, stepped: float) -> bool:
+        """Whether this thread, with `mine` sentences decoding, would take fewer than
+        `JOIN_TOGETHER` newcomers (its share of what waits), all of which arrived after its
+        last round of steps began at `stepped` (under the lock): they wait a step for company."""
+        share = -(-(self._queued + self._decoding) // self.workers) - mine
+        if not 0 < min(share, self._queued) < JOIN_TOGETHER or self._closing:
+            return False
+        return min(jobs[0].arrived for jobs in self._queues.values()) > stepped
 
     def _gathered(self) -> bool:
         """Whether an idle thread starts now (under the lock): see the class docstring."""

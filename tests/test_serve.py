@@ -33,7 +33,7 @@ from nmt import NMTError, checkpoint
 from nmt.decode_process import DecodeProcess, DecodeProcessError, JoinError, Load
 from nmt.engine import WARM_UP, NMTStream
 from nmt.models.base import count_parameters
-from nmt.serve import ModelSpec, ServeSettings, create_app, load_served, serve
+from nmt.serve import Batcher, ModelSpec, ServeSettings, create_app, load_served, serve
 from nmt.translate import load_model, search_options, translate_lines
 
 CPU = torch.device("cpu")
@@ -423,6 +423,102 @@ def test_a_long_request_does_not_hold_short_ones_back(served, english, alone):
     assert texts(short_answer) == [alone(english[0])[0]]
     assert texts(long_answer) == [alone(line)[0] for line in english[:40]]
     assert short_steps <= 2 * steps < long_steps
+
+
+class Gated:
+    """An engine whose streams step only when the test lets them (`go`), and note which
+    lines joined at each step (`joins`: step number -> the lines added before it)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.permits = threading.Semaphore(0)
+        self.entered = threading.Condition()
+        self.steps = 0
+        self.joins: dict[int, list[str]] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def stream(self, opts):
+        return GatedStream(self.engine.stream(opts), self)
+
+    def wait_for_step(self, n: int) -> None:
+        """Until the decoding thread has begun step n (and waits for its permit)."""
+        with self.entered:
+            assert self.entered.wait_for(lambda: self.steps >= n, timeout=60)
+
+    def go(self, steps: int = 1) -> None:
+        self.permits.release(steps)
+
+
+class GatedStream:
+    def __init__(self, stream, gate: Gated) -> None:
+        self.stream, self.gate, self.added = stream, gate, []
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+    def add(self, lines, ids) -> None:
+        self.added += lines
+        self.stream.add(lines, ids)
+
+    def step(self):
+        gate = self.gate
+        with gate.entered:
+            gate.steps += 1
+            if self.added:
+                gate.joins[gate.steps], self.added = self.added, []
+            gate.entered.notify_all()
+        assert gate.permits.acquire(timeout=60)
+        return self.stream.step()
+
+
+def test_a_running_batch_takes_a_lone_newcomer_a_step_later_with_company(served, english, alone):
+    """A sentence that arrives alone while a batch decodes waits one step (not more) before it
+    joins; two that arrive together join at the next step, together. Each is translated as
+    it would be alone."""
+    gate = Gated(served[0].engine)
+    tiny = dataclasses.replace(served[0], engine=gate)
+    opts = search_options(tiny.config.decode)
+    batcher = Batcher(None, 0, workers=1).start()
+    answers: dict[str, threading.Event] = {}
+    results: dict[str, list] = {}
+
+    def submit(name: str, lines: list[str]) -> None:
+        answers[name] = threading.Event()
+        lengths = [len(ids) for ids in tiny.tokenizer.encode_src(lines)]
+
+        def done(res, err) -> None:
+            results[name] = res if err is None else err
+            answers[name].set()
+
+        batcher.submit(tiny, opts, lines, lengths, done)
+
+    try:
+        submit("first", english[:4])
+        gate.wait_for_step(1)
+        submit("lone", [english[4]])  # arrives during step 1
+        gate.go()
+        gate.wait_for_step(2)
+        assert batcher.stats.held == 1  # step 2 ran without it
+        gate.go()
+        gate.wait_for_step(3)
+        submit("pair-a", [english[5]])  # two arrive during step 3
+        submit("pair-b", [english[6]])
+        gate.go()
+        gate.wait_for_step(4)
+        gate.go(10_000)
+        for name, answered in answers.items():
+            assert answered.wait(60), name
+    finally:
+        gate.go(10_000)
+        batcher.close()
+    assert sorted(gate.joins[1]) == sorted(english[:4])  # shortest first
+    assert gate.joins[3] == [english[4]]  # a step late, not two
+    assert sorted(gate.joins[4]) == sorted(english[5:7])  # together, at once
+    assert batcher.stats.held == 1
+    for name, lines in [("first", english[:4]), ("lone", [english[4]]), ("pair-a", [english[5]])]:
+        assert [nbest[0][0] for nbest in results[name]] == [alone(line)[0] for line in lines]
 
 
 class Poisoned:
