@@ -17,10 +17,11 @@ each waiting request in turn: with nmt's own search they join the sentences half
 their translation (in-flight batching, `nmt.search.BeamStream`; two at a time, a lone
 newcomer waiting one step for company), each searched as it would be alone, and leave the
 batch as soon as they end; CTranslate2 decodes what was taken as one batch. So a long request
-shares the batch with the requests behind it, and a sentence waits for no other's end. An idle thread first gathers what arrives within `max_wait_ms`. Each
-request is answered when its last sentence is decoded. The event loop only parses,
-validates and waits. With `ServeSettings.processes` (`nmt serve` but for --threads), each
-thread runs nmt's CPU searches in a child process of its own (`nmt.decode_process`).
+shares the batch with the requests behind it, and a sentence waits for no other's end. An
+idle thread first gathers what arrives within `max_wait_ms`. Each request is answered when
+its last sentence is decoded. The event loop only parses, validates and waits. With
+`ServeSettings.processes` (`nmt serve` but for --threads), each thread runs nmt's CPU
+searches in a child process of its own (`nmt.decode_process`).
 
 Errors: a client's mistake is a 4xx JSON body `{"error": "one sentence"}`; a decoding error
 fails the requests of its batch alone (each is retried alone to find the one that fails),
@@ -392,10 +393,10 @@ class Batcher:
     engine they join the sentences half-way through their translation (in-flight batching)
     and leave when done. A running batch takes them `JOIN_TOGETHER` at a time: one sentence
     for it alone, arrived during its last step, waits one step more (no longer), for company
-    (under load, the next sentence arrives by then). A thread with nothing to decode waits first until the oldest
-    waiting sentence has waited `max_wait` seconds, or nothing has arrived for a fifth of
-    that (a burst of requests is over: a lone request does not wait the whole time), or the
-    waiting sentences fill a batch. With 2 threads on 2 cores, each has half of torch's
+    (under load, the next sentence arrives by then). A thread with nothing to decode waits
+    first until the oldest waiting sentence has waited `max_wait` seconds, or nothing has
+    arrived for a fifth of that (a burst of requests is over: a lone request does not wait
+    the whole time), or the waiting sentences fill a batch. With 2 threads on 2 cores, each has half of torch's
     threads (the way `decode_batches` keeps both cores busy).
 
     With `loads`, each thread starts a child process that loads those models
