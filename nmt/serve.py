@@ -396,8 +396,8 @@ class Batcher:
     (under load, the next sentence arrives by then). A thread with nothing to decode waits
     first until the oldest waiting sentence has waited `max_wait` seconds, or nothing has
     arrived for a fifth of that (a burst of requests is over: a lone request does not wait
-    the whole time), or the waiting sentences fill a batch. With 2 threads on 2 cores, each has half of torch's
-    threads (the way `decode_batches` keeps both cores busy).
+    the whole time), or the waiting sentences fill a batch. With 2 threads on 2 cores, each
+    has half of torch's threads (the way `decode_batches` keeps both cores busy).
 
     With `loads`, each thread starts a child process that loads those models
     (`nmt.decode_process.DecodeProcess`, with the thread's share of torch's threads) and runs their
