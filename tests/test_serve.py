@@ -517,7 +517,13 @@ def test_a_running_batch_takes_a_lone_newcomer_a_step_later_with_company(served,
     assert gate.joins[3] == [english[4]]  # a step late, not two
     assert sorted(gate.joins[4]) == sorted(english[5:7])  # together, at once
     assert batcher.stats.held == 1
-    for name, lines in [("first", english[:4]), ("lone", [english[4]]), ("pair-a", [english[5]])]:
+    asked = {
+        "first": english[:4],
+        "lone": [english[4]],
+        "pair-a": [english[5]],
+        "pair-b": [english[6]],
+    }
+    for name, lines in asked.items():
         assert [nbest[0][0] for nbest in results[name]] == [alone(line)[0] for line in lines]
 
 
