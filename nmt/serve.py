@@ -590,7 +590,7 @@ class Batcher:
                 if not self._queues:
                     self._cond.wait()
                     continue
-                jobs = min(self._queues.values(), key=lambda q: q[0].arrived)
+                _, jobs = self._oldest()
                 now = time.monotonic()
                 waited, quiet = now - jobs[0].arrived, now - jobs[-1].arrived
                 self._cond.wait(min(self.max_wait - waited, self.max_wait / 5 - quiet))
@@ -599,16 +599,26 @@ class Batcher:
         """Whether this thread, with `mine` sentences decoding, would take fewer than
         `JOIN_TOGETHER` newcomers (its share of what waits), all of which arrived after its
         last round of steps began at `stepped` (under the lock): they wait a step for company."""
-        share = -(-(self._queued + self._decoding) // self.workers) - mine
-        if not 0 < min(share, self._queued) < JOIN_TOGETHER or self._closing:
+        if not 0 < min(self._share(mine), self._queued) < JOIN_TOGETHER or self._closing:
             return False
-        return min(jobs[0].arrived for jobs in self._queues.values()) > stepped
+        _, jobs = self._oldest()
+        return jobs[0].arrived > stepped
+
+    def _oldest(self) -> tuple[tuple[str, SearchOptions], deque[Job]]:
+        """The queue whose first request has waited longest, and its key (under the lock)."""
+        key = min(self._queues, key=lambda k: self._queues[k][0].arrived)
+        return key, self._queues[key]
+
+    def _share(self, mine: int) -> int:
+        """How many more sentences this thread, with `mine` decoding, would hold to have its
+        share of all that are decoding or waiting (under the lock; may be 0 or less)."""
+        return -(-(self._queued + self._decoding) // self.workers) - mine
 
     def _gathered(self) -> bool:
         """Whether an idle thread starts now (under the lock): see the class docstring."""
         if self._closing:
             return True
-        key, jobs = min(self._queues.items(), key=lambda kv: kv[1][0].arrived)
+        key, jobs = self._oldest()
         now = time.monotonic()
         waited, quiet = now - jobs[0].arrived, now - jobs[-1].arrived
         full = self._costs[key] >= self._budget(jobs)
@@ -619,8 +629,7 @@ class Batcher:
         batch's budget, and no more in all than this thread's share of the sentences being
         decoded or waiting; a sentence of each waiting request in turn, the requests with the
         fewest sentences in flight first."""
-        share = -(-(self._queued + self._decoding) // self.workers) - mine
-        share = max(share, 1 if not mine else 0)
+        share = max(self._share(mine), 1 if not mine else 0)
         taken = []
         for key in sorted(self._queues, key=lambda k: self._queues[k][0].arrived):
             if share <= 0:
