@@ -633,23 +633,33 @@ def test_lines_that_cannot_join_fail_their_request_and_the_batch_decodes_on(
 ):
     """A running batch in a stream that adds lines at the step (a decoding process's): when
     the newcomers cannot join, their requests are decoded again alone (the one that fails
-    fails alone) and the sentences already decoding go on in the batch, not decoded again."""
+    fails alone) and the sentences already decoding go on in the batch, not decoded again.
+    The batch's first step waits (`Gated`) until both late requests are queued, so that they
+    join together at the next step."""
     poison = english[9]
-    engine = JoinsLate(served[0].engine, poison)
+    gate = Gated(served[0].engine)
+    engine = JoinsLate(gate, poison)
     tiny = dataclasses.replace(served[0], engine=engine)
     app = create_app([tiny], ServeSettings(max_wait_ms=0, workers=1))
 
     async def run():
         async with async_client(app) as c:
             stats = app.state.nmt.batcher.stats
-            first = asyncio.ensure_future(c.post("/translate", json={"text": english[:6]}))
-            while stats.steps == 0:  # decoding: the next ones join it
-                await asyncio.sleep(0.001)
-            late = await asyncio.gather(
-                c.post("/translate", json={"text": [english[10], poison]}),
-                c.post("/translate", json={"text": english[11]}),
-            )
-            return await first, *late, stats.failed_requests
+            try:
+                first = asyncio.ensure_future(c.post("/translate", json={"text": english[:6]}))
+                while gate.steps == 0:  # decoding: the next ones join it
+                    await asyncio.sleep(0.001)
+                late = [
+                    asyncio.ensure_future(
+                        c.post("/translate", json={"text": [english[10], poison]})
+                    ),
+                    asyncio.ensure_future(c.post("/translate", json={"text": english[11]})),
+                ]
+                while stats.requests < 3:
+                    await asyncio.sleep(0.001)
+            finally:
+                gate.go(10_000)
+            return await first, *await asyncio.gather(*late), stats.failed_requests
 
     with caplog.at_level(logging.ERROR, logger="nmt.serve"):
         first, bad, good, failed = asyncio.run(run())
