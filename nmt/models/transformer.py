@@ -384,6 +384,15 @@ def start_decoder(model: Transformer, memory: State) -> State:
     return state
 
 
+def encode_and_start(model: Transformer, src: Tensor, src_mask: Tensor) -> State:
+    """`encode_source` and `start_decoder` in one function, which `compile_decoding` makes
+    one graph (a sentence joining a running batch costs one compiled call, not two): the
+    decoder's start state with the encoder's memory beside it (`Transformer.init_state`
+    takes the start as it is)."""
+    memory = encode_source(model, src, src_mask)
+    return {**start_decoder(model, memory), "memory": memory["memory"]}
+
+
 class Transformer(nn.Module):
     def __init__(
         self,
@@ -428,7 +437,7 @@ class Transformer(nn.Module):
 
     def compile_decoding(self) -> None:
         """Decode through `torch.compile`d code: the encoder with the decoder's start
-        (`encode_source`, `start_decoder`) and the decoder layers, output projection and
+        (`encode_and_start`) and the decoder layers, output projection and
         log-softmax of a step (`compiled_layers`), each one graph over dynamic shapes with the
         weights frozen into it (inductor's freezing) and a C++ wrapper. Call it only on a model
         whose weights no longer change (one loaded to decode): the graphs hold the weights as
@@ -454,8 +463,7 @@ class Transformer(nn.Module):
         # under autocast deadlocked (torch 2.13). Weights that require no grad are not cached.
         self.requires_grad_(False)
         self._compiled = {
-            fn: torch.compile(fn, dynamic=True)
-            for fn in (encode_source, start_decoder, compiled_layers)
+            fn: torch.compile(fn, dynamic=True) for fn in (encode_and_start, compiled_layers)
         }
 
     def _call(self, fn: Callable, *args: object) -> object:
@@ -467,10 +475,13 @@ class Transformer(nn.Module):
 
     # -- contract --------------------------------------------------------------------------
     def encode(self, src: Tensor, src_mask: Tensor, src_lengths: Tensor | None = None) -> State:
-        return self._call(encode_source, src, src_mask)  # type: ignore[return-value]
+        fn = encode_and_start if self._compiled is not None else encode_source
+        return self._call(fn, src, src_mask)  # type: ignore[return-value]
 
     def init_state(self, memory: State) -> State:
-        return self._call(start_decoder, memory)  # type: ignore[return-value]
+        if "pos" in memory:  # started with its encoding (`encode_and_start`)
+            return {k: v for k, v in memory.items() if k != "memory"}
+        return start_decoder(self, memory)
 
     def step(self, prev: Tensor, state: State) -> tuple[StepOutput, State]:
         n = prev.size(0)
