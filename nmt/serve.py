@@ -590,10 +590,7 @@ class Batcher:
                 if not self._queues:
                     self._cond.wait()
                     continue
-                _, jobs = self._oldest()
-                now = time.monotonic()
-                waited, quiet = now - jobs[0].arrived, now - jobs[-1].arrived
-                self._cond.wait(min(self.max_wait - waited, self.max_wait / 5 - quiet))
+                self._cond.wait(self._gathering()[2])
 
     def _alone(self, mine: int, stepped: float) -> bool:
         """Whether this thread, with `mine` sentences decoding, would take fewer than
@@ -614,15 +611,21 @@ class Batcher:
         share of all that are decoding or waiting (under the lock; may be 0 or less)."""
         return -(-(self._queued + self._decoding) // self.workers) - mine
 
+    def _gathering(self) -> tuple[tuple[str, SearchOptions], deque[Job], float]:
+        """The queue waiting longest, its key, and how many seconds more an idle thread gathers
+        for it (0 or less: none): until its first request has waited `max_wait`, or nothing
+        has arrived for a fifth of that (under the lock)."""
+        key, jobs = self._oldest()
+        now = time.monotonic()
+        waited, quiet = now - jobs[0].arrived, now - jobs[-1].arrived
+        return key, jobs, min(self.max_wait - waited, self.max_wait / 5 - quiet)
+
     def _gathered(self) -> bool:
         """Whether an idle thread starts now (under the lock): see the class docstring."""
         if self._closing:
             return True
-        key, jobs = self._oldest()
-        now = time.monotonic()
-        waited, quiet = now - jobs[0].arrived, now - jobs[-1].arrived
-        full = self._costs[key] >= self._budget(jobs)
-        return waited >= self.max_wait or quiet >= self.max_wait / 5 or full
+        key, jobs, left = self._gathering()
+        return left <= 0 or self._costs[key] >= self._budget(jobs)
 
     def _take(self, slots: dict, mine: int) -> list:
         """Waiting sentences for this thread's running batches (under the lock): within each
