@@ -127,18 +127,19 @@ def _adjust(
     """Constraints on next-token log-probs [N,V] at step t (of every row, or per row [N]):
     specials, min/max length, n-grams. `tokens` [N,t'] holds each row's history, left-padded
     with PAD where rows are at different steps."""
-    eos = logp[:, EOS_ID].clone()  # the model's own EOS log-prob, kept when EOS is forced
+    force = t + 1 >= limit  # [N] the last allowed position must be EOS
+    forced = bool(force.any())
+    eos = logp[:, EOS_ID].clone() if forced else None  # the model's own, kept when forced
     logp[:, PAD_ID] = NEG
     logp[:, BOS_ID] = NEG
     if opts.ban_unk:
         logp[:, UNK_ID] = NEG
     shortest = max(opts.min_len, opts.fixed_len or 0)  # EOS is not allowed before this step
     if isinstance(t, Tensor):
-        logp[:, EOS_ID] = torch.where(t < shortest, NEG, logp[:, EOS_ID])
+        logp[:, EOS_ID].masked_fill_(t < shortest, NEG)
     elif t < shortest:
         logp[:, EOS_ID] = NEG
-    force = t + 1 >= limit  # [N] the last allowed position must be EOS
-    if force.any():
+    if forced:
         eos_only = torch.full_like(logp, NEG)
         eos_only[:, EOS_ID] = eos
         logp = torch.where(force[:, None], eos_only, logp)
@@ -185,7 +186,7 @@ def topk_candidates(
         maxima = maxima + offset
     best = maxima.view(n, w * n_blocks).topk(k, 1).indices  # [n,k] the k best blocks
     hyp, blk = best // n_blocks, best % n_blocks
-    row = torch.arange(n, device=logp.device)[:, None] * w + hyp  # [n,k] rows of logp
+    row = torch.arange(0, n * w, w, device=logp.device)[:, None] + hyp  # [n,k] rows of logp
     cols = blk[:, :, None] * block + torch.arange(block, device=logp.device)  # [n,k,block]
     if full < v:  # the partial last block: columns beyond V repeat the last one, masked
         outside = cols >= v
@@ -369,6 +370,7 @@ class BeamStream:
             "prev": torch.full((b * width,), BOS_ID, dtype=torch.long, device=device),
             "steps": torch.zeros(b, dtype=torch.long, device=device),  # positions decoded
             "limit": limit,  # [b] length limits (EOS included)
+            "limit_penalty": length_penalty(limit.float(), self.opts),  # [b] of the limits
             "pool_norm": torch.full((b, k), NEG, device=device),  # finished, normalised
             "pool_raw": torch.full((b, k), NEG, device=device),
             "pool_tok": torch.full((b, k, longest), PAD_ID, dtype=torch.long, device=device),
@@ -417,8 +419,8 @@ class BeamStream:
         n, width = len(self.ids), self.width
         device = book["scores"].device
         steps, limit, scores = book["steps"], book["limit"], book["scores"]
-        lim = limit if width == 1 else limit.repeat_interleave(width)  # [n*width]
-        t = steps if width == 1 else steps.repeat_interleave(width)
+        lim = limit if width == 1 else limit[:, None].expand(n, width).reshape(-1)  # [n*width]
+        t = steps if width == 1 else steps[:, None].expand(n, width).reshape(-1)
         logp = _adjust(step_log_probs(out), book["tokens"], t, lim, opts)
         v = logp.size(-1)
         # One hypothesis per sentence: candidates ranked by their token's log-prob alone, as
@@ -429,12 +431,12 @@ class BeamStream:
             idx = torch.nn.functional.pad(idx, (0, k - idx.size(1)), value=0)
         top = rank if width > 1 else rank + scores  # [n,2K] scores of the candidates
         beam, tok = idx // v, idx % v
-        rows = (torch.arange(n, device=device) * width)[:, None] + beam  # [n,2K] token rows
+        rows = torch.arange(0, n * width, width, device=device)[:, None] + beam  # [n,2K] rows
 
         # Finished: EOS expansions among the top K enter the pool of K best finished (most
         # steps have none: the pool is left as it is then).
         is_eos = tok == EOS_ID
-        fin = is_eos[:, :k] & torch.isfinite(top[:, :k])  # [n,K]
+        fin = is_eos[:, :k] & (top[:, :k] > NEG)  # [n,K] (scores are never +inf or NaN)
         if fin.any():
             hist = torch.cat([book["tokens"][rows[:, :k].flatten()], tok[:, :k].reshape(-1, 1)], 1)
             pool_len = book["pool_tok"].size(2)
@@ -470,14 +472,14 @@ class BeamStream:
 
         # Done: no live hypothesis can beat the worst pooled one (exact bound for alpha >= 0),
         # or the patience quota of finished hypotheses is reached.
+        best = scores.max(1).values  # [n] of the live hypotheses; -inf: none left
         if self.quota is None:
-            bound = scores.max(1).values / length_penalty(limit.float(), opts)
-            done = book["pool_norm"][:, -1] >= bound
+            done = book["pool_norm"][:, -1] >= best / book["limit_penalty"]
         elif opts.length_penalty == 0 and k > 1:
             done = book["best_ended"] & (book["finished"] >= opts.nbest)
         else:
             done = book["finished"] >= self.quota
-        done = (done | ~torch.isfinite(scores.max(1).values)) & book["live"]
+        done = (done | ~(best > NEG)) & book["live"]  # none left (or NaN scores)
         if not done.any():
             return []
         return self._leave(done)
