@@ -436,7 +436,7 @@ class BeamStream:
         # Finished: EOS expansions among the top K enter the pool of K best finished (most
         # steps have none: the pool is left as it is then).
         is_eos = tok == EOS_ID
-        fin = is_eos[:, :k] & (top[:, :k] > NEG)  # [n,K] (scores are never +inf or NaN)
+        fin = is_eos[:, :k] & (top[:, :k] > NEG)  # [n,K] live ones (a log-prob is never +inf)
         if fin.any():
             hist = torch.cat([book["tokens"][rows[:, :k].flatten()], tok[:, :k].reshape(-1, 1)], 1)
             pool_len = book["pool_tok"].size(2)
