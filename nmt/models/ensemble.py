@@ -10,6 +10,8 @@ Each member's state entries live in the ensemble's state under names that keep t
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor, nn
 
@@ -32,6 +34,19 @@ def _member(i: int, state: State) -> State:
         if index == str(i):
             out[prefix + name] = value
     return out
+
+
+@dataclass
+class EnsembleOutput(StepOutput):
+    """An ensemble's step: its members' outputs kept, their attention averaged only when
+    asked (`StepOutput.attention`; a search never asks), over the members that have one."""
+
+    members: list[StepOutput] = field(default_factory=list)
+
+    @property
+    def attention(self) -> Tensor | None:
+        maps = [o.attention.float() for o in self.members if o.attention is not None]
+        return torch.stack(maps).mean(0) if maps else None
 
 
 class Ensemble(nn.Module):
@@ -61,9 +76,7 @@ class Ensemble(nn.Module):
             outputs.append(out)
             states.append(new)
         logp = torch.stack([step_log_probs(o) for o in outputs]).mean(0)  # [N,V]
-        attention = [o.attention.float() for o in outputs if o.attention is not None]
-        mean_attention = torch.stack(attention).mean(0) if attention else None
-        return StepOutput(logp, mean_attention, log_probs=logp), self._merge(states)
+        return EnsembleOutput(logp, None, log_probs=logp, members=outputs), self._merge(states)
 
     def join(self, a: State, b: State) -> State:
         return self._merge(
