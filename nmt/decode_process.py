@@ -474,8 +474,11 @@ class BatchHelper:
     """A `nmt.translate.Helper`: searches the batches it is given in a child process of its
     own, started at its first batch (in the decoding thread that calls it), which loads the
     checkpoint `engine` loaded (`Load.of`, its weights' fingerprint taken then, beside the
-    decoding). A child that cannot start or that ends makes it raise `HelperUnavailable`
-    (logged once): the caller decodes that batch and the next ones itself."""
+    decoding). A compiled engine's child decodes through compiled code too, which it compiles
+    before its first batch, warming up with that batch's search settings (minutes; the
+    calling thread waits). A child that cannot start or that ends makes it raise
+    `HelperUnavailable` (logged once): the caller decodes that batch and the next ones
+    itself."""
 
     def __init__(self, engine, threads: int) -> None:
         self.engine, self.threads = engine, threads
@@ -490,7 +493,8 @@ class BatchHelper:
             raise HelperUnavailable
         if self.process is None:
             try:
-                load = Load.of(MODEL, self.engine)
+                # a compiled engine's child compiles too, warmed up with these settings
+                load = Load.of(MODEL, self.engine, opts if self.engine.compiled else None)
                 self.process = DecodeProcess([load], self.threads).start(stop)
             except SearchStopped:
                 raise

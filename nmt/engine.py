@@ -138,6 +138,7 @@ class NMTEngine:
     arch: str
     facts: dict[str, Any]
     name: str = "nmt"
+    compiled: bool = False  # decodes through compiled code (`compile_decoding`)
     # decoders of whole batches in other processes, which `translate` hands batches to
     # (`nmt.decode_process.helping` sets them for the scope of a command's decoding)
     helpers: list[Helper] = dataclasses.field(default_factory=list)
@@ -520,6 +521,7 @@ def open_engine(
             checkpoints,
             loaded.arch,
             model_facts(loaded.model, loaded.payload.get("progress", {})),
+            compiled=compile,
         )
     if len(paths) > 1:
         raise NMTError(

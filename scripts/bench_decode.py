@@ -25,6 +25,12 @@ What is measured
     beam >= 10,000): all but one
     worker's batches in child processes that loaded the run (`nmt.decode_process.helping`,
     started during the warm-up; column "procs"); --helpers off keeps every worker in threads.
+  * --compile on|both (a run's fp32 and bf16 rows): nmt decodes through torch.compile'd code,
+    as `nmt serve --compile` does (`nmt.engine.compile_decoding`), each row on its own
+    compiled copy of the run; its child processes compile theirs before their first batch. A
+    whole untimed pass compiles first; a graph compiled during the timed passes is counted in
+    the row ("graphs_compiled_while_timed") and noted. "both" times each nmt row eagerly and
+    compiled, in the same rounds (column "compiled").
   * --fixed-len N (SearchOptions.fixed_len): every sentence gets exactly N tokens (EOS forbidden
     before), so all systems do identical work whatever the weights. Default N = 20 without
     --run; with --run the default is free decoding (--fixed-len 0), which stops at EOS.
@@ -130,6 +136,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _benchutil as bu  # noqa: E402
 
 MODES = ("greedy", "beam")
+COMPILED = {"off": (False,), "on": (True,), "both": (False, True)}  # --compile's nmt rows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -182,6 +189,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(off)",
     )
     p.add_argument(
+        "--compile",
+        choices=("off", "on", "both"),
+        default="off",
+        help="a run's fp32 and bf16 nmt rows decode through torch.compile'd code as `nmt serve "
+        "--compile`'s do (on), eagerly (off), or each row both ways, timed in the same rounds "
+        "(both); a compiled row runs on its own compiled copy of the run's model, after a "
+        "whole untimed pass that compiles (minutes)",
+    )
+    p.add_argument(
         "--peer-workers",
         type=int,
         nargs="+",
@@ -210,6 +226,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.precisions = args.precisions or bu.default_precisions(decoding=True)
     if args.fixed_len is None:
         args.fixed_len = 0 if args.run else (6 if args.quick else 20)
+    if args.compile != "off" and not args.run:
+        p.error("--compile compiles a trained run's decoding: give --run")
     if args.quick:
         args.limit = args.limit or 128
         args.repeats, args.warmup = 1, 1
@@ -313,12 +331,13 @@ Bench = Generator[Callable[[], list], tuple[float, list], dict]
 
 
 def timed_passes(
-    decode_pass, batches: list, args, workers: int
+    decode_pass, batches: list, args, workers: int, whole: bool = False
 ) -> Generator[Callable[[], list], tuple[float, list], tuple[list[float], list]]:
-    """--warmup untimed batches per worker, then --repeats passes of decode_pass over all
-    batches, each yielded to be timed (`in_rounds` sends back its seconds and outputs);
+    """--warmup untimed batches per worker (a whole pass with `whole`: compiled decoding's
+    warm-up compiles every graph the passes need), then --repeats passes of decode_pass over
+    all batches, each yielded to be timed (`in_rounds` sends back its seconds and outputs);
     returns the times and the outputs of the last pass."""
-    decode_pass(batches[: args.warmup * workers])
+    decode_pass(batches if whole else batches[: args.warmup * workers])
     times, outputs = [], []
     for _ in range(args.repeats):
         seconds, outputs = yield lambda: decode_pass(batches)
@@ -378,6 +397,7 @@ def row_of(
     out_len,
     host: str = "nmt",
     search: str = "run",
+    compiled: bool = False,
 ) -> dict:
     med = bu.median(times)
     row = {
@@ -388,6 +408,7 @@ def row_of(
         "workers": workers,
         "host": host,
         "search": search,
+        "compiled": compiled,
         "sentences": n,
         "decoder_steps": steps,
         "mean_output_tokens": out_len,
@@ -399,6 +420,8 @@ def row_of(
     where = "" if host == "nmt" else f" ({host} process settings)"
     if search != "run":
         where += f" ({search} search)"
+    if compiled:
+        where += " (compiled)"
     print(
         f"  {system} {name} {mode} {precision} x{workers}{where}: "
         f"{row['sentences_per_s']:,.1f} sent/s"
@@ -430,9 +453,25 @@ def nmt_options(subject: Subject, mode: str, search: str, args):
     return ct2_search(opts) if search == "ct2" else opts
 
 
-def bench_nmt(subject: Subject, mode: str, precision: str, args, search: str = "run") -> Bench:
+def compiled_rows(subject: Subject, precision: str, args, notes: list[str]) -> tuple[bool, ...]:
+    """Whether each of a subject's nmt rows in `precision` decodes through compiled code
+    (--compile): a run's fp32 and bf16 rows as asked; int8 (which `compile_decoding` refuses:
+    a note says so once) and models without a run eagerly only."""
+    if not subject.run:
+        return (False,)
+    wanted = COMPILED[args.compile]
+    if precision == "int8" and True in wanted:
+        note = "nmt compiles fp32 and bf16 decoding, not int8: no compiled int8 row"
+        notes += [] if note in notes else [note]
+        return tuple(c for c in wanted if not c)
+    return wanted
+
+
+def bench_nmt(
+    subject: Subject, mode: str, precision: str, args, search: str = "run", compiled: bool = False
+) -> Bench:
     from nmt.decode_process import helping
-    from nmt.engine import open_engine
+    from nmt.engine import compiled_graphs, open_engine
     from nmt.models.base import fixed_weights
     from nmt.translate import decode_batches, decode_workers
 
@@ -443,10 +482,15 @@ def bench_nmt(subject: Subject, mode: str, precision: str, args, search: str = "
     workers = decode_workers(args.workers, device, len(batches))
     with contextlib.ExitStack() as scope:
         helpers = []
+        engine = None
+        if compiled:  # a compiled copy of the run's model for this row alone
+            engine = open_engine([Path(subject.run)], "nmt", device, precision, compile=True)
+            model = engine.model
         if subject.run and args.helpers == "auto" and workers > 1:
             # as nmt translate decodes many lines: the child processes load the run (started
-            # by the warm-up, which the timing leaves out, as it leaves out loading the peers)
-            engine = open_engine([Path(subject.run)], "nmt", device, precision)
+            # by the warm-up, which the timing leaves out, as it leaves out loading the peers;
+            # with --compile they compile it before their first batch)
+            engine = engine or open_engine([Path(subject.run)], "nmt", device, precision)
             n = len(subject.sources)
             helpers = scope.enter_context(helping(engine, n, opts, workers, workers - 1))
 
@@ -454,8 +498,26 @@ def bench_nmt(subject: Subject, mode: str, precision: str, args, search: str = "
             srcs = [src for _, src in bs]
             return decode_batches(model, srcs, opts, device, precision, workers, None, helpers)
 
+        late = [0]  # graphs this process compiled during the row's timed passes
+
+        def counted(run: Callable[[], list]) -> Callable[[], list]:
+            def timed() -> list:
+                graphs = compiled_graphs()
+                try:
+                    return run()
+                finally:
+                    late[0] += compiled_graphs() - graphs
+
+            return timed
+
         with fixed_weights(model):
-            times, outputs = yield from timed_passes(decode_pass, batches, args, workers)
+            passes = timed_passes(decode_pass, batches, args, workers, whole=compiled)
+            try:
+                run = next(passes)  # after the warm-up (which compiles, with --compile)
+                while True:
+                    run = passes.send((yield counted(run)))
+            except StopIteration as done:
+                times, outputs = done.value
             profile = None
             if args.profile:  # one batch at a time, in this thread (and its intra-op threads)
                 profile = bu.profile_ops(lambda b: decode_pass([b]), batches, args.profile, "batch")
@@ -472,8 +534,13 @@ def bench_nmt(subject: Subject, mode: str, precision: str, args, search: str = "
         steps,
         float(np.mean(lengths)),
         search=search,
+        compiled=compiled,
     )
     row["worker_processes"] = 1 + sum(not h.gone for h in helpers)  # a child that failed: none
+    if compiled:
+        row["graphs_compiled_while_timed"] = late[0]
+        if late[0]:
+            print(f"  note: {late[0]} graph(s) compiled during the timed passes, which they slowed")
     if profile:
         row["profile"] = profile
         bu.print_profile(f"nmt {subject.name} {mode} {precision}", profile)
@@ -657,7 +724,8 @@ def main(argv: list[str] | None = None) -> dict:
         for mode in args.modes:
             for precision in args.precisions:
                 for search in searches(subject, mode, args):
-                    benches.append(bench_nmt(subject, mode, precision, args, search))
+                    for compiled in compiled_rows(subject, precision, args, notes):
+                        benches.append(bench_nmt(subject, mode, precision, args, search, compiled))
 
     transformer = next((s for s in subjects if s.arch == "transformer"), subjects[0])
     use_hf = args.hf == "on" or (args.hf == "auto" and bu.hf_available())
@@ -753,6 +821,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "mode": row["mode"],
                 "precision": row["precision"],
                 "nmt": row["sentences_per_s"],
+                "nmt_compiled": row["compiled"],
                 "nmt_workers": row["workers"],
                 "peer_workers": workers,
                 "peer_host": host,
@@ -781,7 +850,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if int8:
                     entry["ct2_int8"] = int8["sentences_per_s"]
                     entry["nmt_over_ct2_int8"] = row["sentences_per_s"] / int8["sentences_per_s"]
-            if len(entry) > 6:
+            if len(entry) > 7:  # a peer's figures among them
                 ratios.append(entry)
 
     length = f"fixed length {args.fixed_len} tokens" if args.fixed_len else "free decoding (to EOS)"
@@ -796,6 +865,7 @@ def main(argv: list[str] | None = None) -> dict:
             ("worker_processes", "procs"),
             ("host", "settings"),
             ("search", "search"),
+            ("compiled", "compiled"),
             ("sentences_per_s", "sent/s"),
             ("sentences_per_s_min", "min"),
             ("sentences_per_s_max", "max"),
@@ -811,6 +881,7 @@ def main(argv: list[str] | None = None) -> dict:
             [
                 ("mode", "mode"),
                 ("precision", "prec"),
+                ("nmt_compiled", "compiled"),
                 ("nmt_workers", "nmt workers"),
                 ("nmt", "nmt sent/s"),
                 ("peer_workers", "peer workers"),
@@ -842,6 +913,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "precision": mine["precision"],
                         "nmt": mine["sentences_per_s"],
                         "nmt_search": mine["search"],
+                        "nmt_compiled": mine.get("compiled", False),
                         "nmt_workers": mine["workers"],
                         "ct2_compute": row["precision"],
                         "ct2": row["sentences_per_s"],
@@ -858,6 +930,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ("mode", "mode"),
                 ("precision", "nmt prec"),
                 ("nmt_search", "nmt search"),
+                ("nmt_compiled", "compiled"),
                 ("nmt_workers", "nmt workers"),
                 ("nmt", "nmt sent/s"),
                 ("ct2_compute", "CT2 compute"),

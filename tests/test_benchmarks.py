@@ -176,6 +176,93 @@ def test_bench_decode_times_every_rows_passes_in_rounds():
     assert torch.get_num_threads() == 2  # each pass starts at the threads asked for
 
 
+def test_bench_decode_compiles_a_runs_fp32_and_bf16_rows_when_asked():
+    """--compile on|both: a run's fp32 and bf16 rows decode through compiled code (both: each
+    row eagerly and compiled, timed in the same rounds), int8 eagerly only, with a note
+    (`compile_decoding` refuses it); models without a run are never compiled, and --compile
+    without --run is refused. A compiled row's warm-up is a whole pass, which compiles every
+    graph the timed passes need."""
+    import bench_decode as bd
+
+    from nmt.config import Config
+
+    run = bd.Subject("run", "transformer", None, Config(), None, [], [], run="RUN")
+    random = dataclasses.replace(run, run=None)
+    assert bd.parse_args(["--run", "RUN"]).compile == "off"
+    with pytest.raises(SystemExit):
+        bd.parse_args(["--compile", "on"])
+    notes: list[str] = []
+    both, on = (
+        bd.parse_args(["--run", "RUN", "--compile", "both"]),
+        bd.parse_args(["--run", "RUN", "--compile", "on"]),
+    )
+    assert bd.compiled_rows(run, "bf16", both, notes) == (False, True)
+    assert bd.compiled_rows(run, "fp32", on, notes) == (True,)
+    assert bd.compiled_rows(random, "bf16", both, notes) == (False,)
+    assert notes == []
+    assert bd.compiled_rows(run, "int8", both, notes) == (False,)
+    assert bd.compiled_rows(run, "int8", on, notes) == ()
+    assert len(notes) == 1 and "not int8" in notes[0]
+    off = bd.parse_args(["--run", "RUN"])
+    assert bd.compiled_rows(run, "int8", off, notes) == (False,) and len(notes) == 1
+
+    calls = []
+
+    def decode_pass(batches):
+        calls.append(len(batches))
+        return batches
+
+    args = bd.parse_args(["--repeats", "2", "--warmup", "1"])
+    for whole, warm in ((False, 2), (True, 5)):  # 5 batches, 2 workers
+        calls.clear()
+        passes = bd.timed_passes(decode_pass, list(range(5)), args, 2, whole=whole)
+        run_pass = next(passes)
+        assert calls == [warm]
+        with pytest.raises(StopIteration):
+            passes.send((0.1, run_pass()))
+            passes.send((0.1, run_pass()))
+        assert calls == [warm, 5, 5]
+
+
+def test_a_compiled_engines_batch_helper_compiles_its_child_with_the_batchs_settings(
+    monkeypatch,
+):
+    """The child process a `BatchHelper` starts for a compiled engine (bench_decode --compile)
+    loads the run to decode through compiled code, warmed up with the settings of the batch
+    it is handed first (`Load.warm_up`); an eager engine's child loads it eagerly."""
+    from conftest import tiny_run
+
+    import nmt.decode_process as dp
+    from nmt.engine import open_engine
+    from nmt.search import SearchOptions
+
+    started = []
+
+    class Child:  # a stand-in for the child process: what it was asked to load
+        def __init__(self, loads, threads):
+            started.append((loads, threads))
+
+        def start(self, stop=None):
+            return self
+
+        def search(self, name, opts, src, stop=None):
+            return [[] for _ in range(src.size(0))]
+
+    monkeypatch.setattr(dp, "DecodeProcess", Child)
+    run_dir, _ = tiny_run("transformer", 40)
+    engine = open_engine([run_dir], "nmt", torch.device("cpu"), "fp32")
+    opts = SearchOptions(beam=3)
+    src = torch.tensor([[5, 6, 2]])
+    for compiled in (False, True):
+        started.clear()
+        engine.compiled = compiled  # as open_engine(compile=True) marks it (not compiled here)
+        assert dp.BatchHelper(engine, 1)(src, opts) == [[]]
+        ((load,), threads) = started[0]
+        assert threads == 1 and load.compile == compiled
+        assert load.warm_up == (opts if compiled else None)
+        assert load.checkpoint == engine.checkpoints[0] and load.precision == "fp32"
+
+
 def test_bench_memory_splits_a_runs_wall_time_by_the_trainers_own_clocks(tmp_path):
     import json
 
