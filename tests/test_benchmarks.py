@@ -224,45 +224,6 @@ def test_bench_decode_compiles_a_runs_fp32_and_bf16_rows_when_asked():
         assert calls == [warm, 5, 5]
 
 
-def test_a_compiled_engines_batch_helper_compiles_its_child_with_the_batchs_settings(
-    monkeypatch,
-):
-    """The child process a `BatchHelper` starts for a compiled engine (bench_decode --compile)
-    loads the run to decode through compiled code, warmed up with the settings of the batch
-    it is handed first (`Load.warm_up`); an eager engine's child loads it eagerly."""
-    from conftest import tiny_run
-
-    import nmt.decode_process as dp
-    from nmt.engine import open_engine
-    from nmt.search import SearchOptions
-
-    started = []
-
-    class Child:  # a stand-in for the child process: what it was asked to load
-        def __init__(self, loads, threads):
-            started.append((loads, threads))
-
-        def start(self, stop=None):
-            return self
-
-        def search(self, name, opts, src, stop=None):
-            return [[] for _ in range(src.size(0))]
-
-    monkeypatch.setattr(dp, "DecodeProcess", Child)
-    run_dir, _ = tiny_run("transformer", 40)
-    engine = open_engine([run_dir], "nmt", torch.device("cpu"), "fp32")
-    opts = SearchOptions(beam=3)
-    src = torch.tensor([[5, 6, 2]])
-    for compiled in (False, True):
-        started.clear()
-        engine.compiled = compiled  # as open_engine(compile=True) marks it (not compiled here)
-        assert dp.BatchHelper(engine, 1)(src, opts) == [[]]
-        ((load,), threads) = started[0]
-        assert threads == 1 and load.compile == compiled
-        assert load.warm_up == (opts if compiled else None)
-        assert load.checkpoint == engine.checkpoints[0] and load.precision == "fp32"
-
-
 def test_bench_memory_splits_a_runs_wall_time_by_the_trainers_own_clocks(tmp_path):
     import json
 

@@ -775,6 +775,43 @@ def test_a_helper_whose_process_cannot_start_leaves_the_batches_to_this_process(
     assert "could not start" in caplog.text and "decoded in this process" in caplog.text
 
 
+def test_a_compiled_engines_helper_compiles_its_child_with_the_first_batchs_settings(
+    run, monkeypatch
+):
+    """The child a helper starts for a compiled engine (`open_engine(compile=True)`, as
+    scripts/bench_decode.py --compile opens it) loads the run to decode through compiled code,
+    warmed up with the search settings of the first batch it is handed (`Load.warm_up`); an
+    eager engine's child loads it eagerly."""
+    import nmt.decode_process as dp
+    from nmt.engine import open_engine
+
+    started = []
+
+    class Child:  # a stand-in for the child process: what it was asked to load
+        def __init__(self, loads, threads):
+            started.append((loads, threads))
+
+        def start(self, stop=None):
+            return self
+
+        def search(self, name, opts, src, stop=None):
+            return [[] for _ in range(src.size(0))]
+
+    monkeypatch.setattr(dp, "DecodeProcess", Child)
+    engine = open_engine([run], "nmt", CPU, "fp32")
+    assert not engine.compiled
+    opts = search_options(engine.config.decode, beam=3, nbest=1)
+    src = torch.tensor([[5, 6, 2]])
+    for compiled in (False, True):
+        started.clear()
+        engine.compiled = compiled  # as open_engine(compile=True) marks it (not compiled here)
+        assert dp.BatchHelper(engine, 1)(src, opts) == [[]]
+        ((load,), threads) = started[0]
+        assert threads == 1 and load.compile == compiled
+        assert load.warm_up == (opts if compiled else None)
+        assert load.checkpoint == engine.checkpoints[0] and load.precision == "fp32"
+
+
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts /proc/self/fd")
 def test_a_helper_keeps_no_file_open_per_batch_and_stops_with_the_others(run):
     """Batches sent to a helper's child leave nothing open behind (a tensor sent through a
