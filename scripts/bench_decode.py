@@ -498,26 +498,20 @@ def bench_nmt(
             srcs = [src for _, src in bs]
             return decode_batches(model, srcs, opts, device, precision, workers, None, helpers)
 
-        late = [0]  # graphs this process compiled during the row's timed passes
+        graphs: list[int] = []  # compiled by this process in each pass, the warm-up's first
 
-        def counted(run: Callable[[], list]) -> Callable[[], list]:
-            def timed() -> list:
-                graphs = compiled_graphs()
-                try:
-                    return run()
-                finally:
-                    late[0] += compiled_graphs() - graphs
-
-            return timed
+        def counted_pass(bs):
+            before = compiled_graphs()
+            try:
+                return decode_pass(bs)
+            finally:
+                graphs.append(compiled_graphs() - before)
 
         with fixed_weights(model):
-            passes = timed_passes(decode_pass, batches, args, workers, whole=compiled)
-            try:
-                run = next(passes)  # after the warm-up (which compiles, with --compile)
-                while True:
-                    run = passes.send((yield counted(run)))
-            except StopIteration as done:
-                times, outputs = done.value
+            times, outputs = yield from timed_passes(
+                counted_pass, batches, args, workers, whole=compiled
+            )
+            late = sum(graphs[1:])  # during the timed passes
             profile = None
             if args.profile:  # one batch at a time, in this thread (and its intra-op threads)
                 profile = bu.profile_ops(lambda b: decode_pass([b]), batches, args.profile, "batch")
@@ -538,9 +532,9 @@ def bench_nmt(
     )
     row["worker_processes"] = 1 + sum(not h.gone for h in helpers)  # a child that failed: none
     if compiled:
-        row["graphs_compiled_while_timed"] = late[0]
-        if late[0]:
-            print(f"  note: {late[0]} graph(s) compiled during the timed passes, which they slowed")
+        row["graphs_compiled_while_timed"] = late
+        if late:
+            print(f"  note: {late} graph(s) compiled during the timed passes, which they slowed")
     if profile:
         row["profile"] = profile
         bu.print_profile(f"nmt {subject.name} {mode} {precision}", profile)
