@@ -453,14 +453,26 @@ class CT2Engine:
         return out
 
 
+def compiles(precision: str) -> bool:
+    """Whether `compile_decoding` compiles decoding in `precision`: fp32, bf16 and fp16, not
+    int8 (fbgemm's packed weights are objects dynamo does not trace: a graph break at every
+    quantized linear map)."""
+    return precision != INT8
+
+
+def check_compile_precision(precision: str) -> None:
+    """`NMTError` where `compile_decoding` does not compile decoding in `precision`."""
+    if not compiles(precision):
+        raise NMTError(
+            f"--compile compiles fp32 and bf16 decoding, not {precision}'s quantized kernels: "
+            "drop --compile or choose another --precision"
+        )
+
+
 def check_compile(model: torch.nn.Module, arch: str, precision: str) -> list[torch.nn.Module]:
     """The models `compile_decoding` compiles (an ensemble's members), or `NMTError` where
     it cannot."""
-    if precision == INT8:
-        raise NMTError(
-            "--compile compiles fp32 and bf16 decoding, not int8's quantized kernels: "
-            "drop --compile or choose another --precision"
-        )
+    check_compile_precision(precision)
     members = list(getattr(model, "members", [model]))
     if not all(hasattr(m, "compile_decoding") for m in members):
         raise NMTError(

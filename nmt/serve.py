@@ -61,7 +61,14 @@ from nmt import NMTError, __version__, config, first_line
 from nmt.config import Config
 from nmt.decode_process import DecodeProcess, DecodeProcessError, JoinError, Load
 from nmt.device import resolve_precision
-from nmt.engine import ENGINES, Engine, NMTEngine, check_compile, open_engine
+from nmt.engine import (
+    ENGINES,
+    Engine,
+    NMTEngine,
+    check_compile,
+    check_compile_precision,
+    open_engine,
+)
 from nmt.search import SearchOptions
 from nmt.translate import (
     attention_of,
@@ -1279,7 +1286,9 @@ def serve(
     if engine not in ENGINES:
         raise NMTError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
     if precision is not None:
-        resolve_precision(precision, device, decoding=True)
+        resolved = resolve_precision(precision, device, decoding=True)
+        if settings.compile:
+            check_compile_precision(resolved)
     if settings.compile and engine != "nmt":
         raise NMTError("--compile compiles nmt's own decoding: drop it or --engine")
     if settings.compile and not in_child(settings, device):

@@ -455,13 +455,15 @@ def nmt_options(subject: Subject, mode: str, search: str, args):
 
 def compiled_rows(subject: Subject, precision: str, args, notes: list[str]) -> tuple[bool, ...]:
     """Whether each of a subject's nmt rows in `precision` decodes through compiled code
-    (--compile): a run's fp32 and bf16 rows as asked; int8 (which `compile_decoding` refuses:
-    a note says so once) and models without a run eagerly only."""
+    (--compile): a run's fp32 and bf16 rows as asked; those `compile_decoding` refuses
+    (`nmt.engine.compiles`: int8; a note says so once) and models without a run eagerly only."""
+    from nmt.engine import compiles
+
     if not subject.run:
         return (False,)
     wanted = COMPILED[args.compile]
-    if precision == "int8" and True in wanted:
-        note = "nmt compiles fp32 and bf16 decoding, not int8: no compiled int8 row"
+    if not compiles(precision) and True in wanted:
+        note = f"nmt compiles fp32 and bf16 decoding, not {precision}: no compiled {precision} row"
         notes += [] if note in notes else [note]
         return tuple(c for c in wanted if not c)
     return wanted

@@ -1040,6 +1040,10 @@ def test_serve_command_errors(runs, tmp_path):
     assert "drop --threads" in one_line_error(
         nmt_cli("serve", runs["tiny"], "--compile", "--threads")
     )
+    # refused before the server starts (no log lines before it), not when the model loads
+    assert "not int8's quantized kernels" in one_line_error(
+        nmt_cli("serve", runs["tiny"], "--compile", "--precision", "int8")
+    )
     assert "two models are called 'x'" in one_line_error(
         nmt_cli("serve", f"x={runs['tiny']}", f"x={runs['s2s']}")
     )
