@@ -457,9 +457,11 @@ class BeamStream:
             book["finished"] = book["finished"] + fin.sum(1)
             book["best_ended"] = book["best_ended"] | fin[:, 0]
 
-        # Live: the K best non-EOS expansions.
+        # Live: the K best non-EOS expansions. Where fewer than K are not EOS and alive (the
+        # length limit forces EOS; a vocabulary under 2K), the rest are picked among dead
+        # candidates in an order torch leaves open: an EOS one picked there stays dead.
         live = torch.where(is_eos, NEG, rank).topk(k, dim=1).indices  # [n,K]
-        live_scores = top.gather(1, live)
+        live_scores = torch.where(is_eos, NEG, top).gather(1, live)
         sel_rows = rows.gather(1, live).flatten()  # [n*K]
         sel_tok = tok.gather(1, live).flatten()
         book["scores"] = scores = live_scores

@@ -439,6 +439,59 @@ def test_max_length(trained, beam):
     assert [len(t) for t in tokens_of(endless)] == bounds
 
 
+class FirstTokens(torch.nn.Module):
+    """A trained model's next-token scores over its first `v` token ids only (the specials
+    among them): a vocabulary smaller than twice the beam."""
+
+    def __init__(self, model: torch.nn.Module, v: int) -> None:
+        super().__init__()
+        self.model, self.v = model, v
+
+    def encode(self, src, src_mask):
+        return self.model.encode(src, src_mask)
+
+    def init_state(self, memory):
+        return self.model.init_state(memory)
+
+    def step(self, prev, state):
+        out, state = self.model.step(prev, state)
+        return StepOutput(out.logits[:, : self.v].contiguous(), out.attention), state
+
+
+def lowest_index_topk(self, k, dim=-1, largest=True, sorted=True):
+    """Tensor.topk with ties broken towards the lowest index: as valid an order as CPU's (torch
+    leaves the order of ties unspecified, and CUDA's differs from CPU's)."""
+    values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
+@pytest.mark.parametrize(
+    "vocab, beam, limit, ties",
+    [(5, 4, 1, "torch"), (6, 5, 1, "torch"), (None, 3, 4, "lowest"), (None, 5, 4, "lowest")],
+)
+def test_hypotheses_that_end_at_the_length_limit_stay_ended(
+    transformer, monkeypatch, vocab, beam, limit, ties
+):
+    """At its length limit every hypothesis of a sentence ends (EOS is forced), and the
+    sentence is done: no step past the limit, no hypothesis that went on after its EOS. Where
+    fewer than `beam` candidates are not EOS (the limit; a vocabulary under twice the beam),
+    the live ones are picked among dead (-inf) candidates, in an order torch leaves open: an
+    EOS candidate picked there must stay dead, whichever order the ties come in."""
+    if ties == "lowest":
+        monkeypatch.setattr(torch.Tensor, "topk", lowest_index_topk)
+    model = transformer.model if vocab is None else FirstTokens(transformer.model, vocab)
+    recorder = StepRecorder(model)
+    monkeypatch.setattr(model, "step", recorder)
+    sources = transformer.sources[:12]
+    results = decode(model, sources, beam=beam, nbest=beam, max_len_a=0.0, max_len_b=limit)
+    assert len(recorder.sizes) <= limit  # the limit counts EOS: `limit` steps at most
+    for source, hyps in zip(sources, results):
+        assert hyps and len({tuple(h.tokens) for h in hyps}) == len(hyps)  # no repeats
+        for h in hyps:
+            assert len(h.tokens) <= limit - 1
+            assert h.logprob == pytest.approx(model_logprob(model, source, h.tokens), abs=1e-4)
+
+
 @pytest.mark.parametrize("beam", [1, 3])
 def test_min_length(trained, beam):
     eager = Biased(trained.model, eos=50.0)  # wants to stop at once
