@@ -49,6 +49,7 @@ import itertools
 import logging
 import math
 import multiprocessing
+import multiprocessing.resource_tracker
 import multiprocessing.util  # registers its exit handler now: `_close_all` is registered after
 import signal
 import threading
@@ -178,7 +179,11 @@ class DecodeProcess:
             daemon=True,
         )
         # blocked from the start: a signal to the group while the child imports torch
-        # would end it; the child ignores them before it lets them in (`_child`)
+        # would end it; the child ignores them before it lets them in (`_child`). The first
+        # spawn of a process starts multiprocessing's resource tracker, and starting it
+        # unblocks SIGINT and SIGTERM (Python 3.11's `ensure_running`): it runs first, so
+        # the child is spawned with them still blocked.
+        multiprocessing.resource_tracker.ensure_running()
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         try:
             process.start()

@@ -889,6 +889,56 @@ def test_interrupted_translation_exits_128_plus_signal_and_writes_nothing(
     assert not out.exists() and not tmp.exists()
 
 
+def spawned_children(pid: int) -> list[int]:
+    """The multiprocessing children `pid` has spawned (its resource tracker aside), from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat, cmdline = (entry / "stat").read_text(), (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize(
+    "sig, code, message", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+)
+def test_a_signal_to_the_group_while_the_first_decoding_child_starts(
+    run, multi30k_dir, tmp_path, sig, code, message
+):
+    """Ctrl-C on a terminal signals the whole process group, the decoding child with it, and
+    may come while the child still imports torch: the child, the process' first spawn (which
+    starts multiprocessing's resource tracker too), holds the signals blocked until it ignores
+    them, so only the command answers, with its one line and no traceback of the child's."""
+    src, out = tmp_path / "in.en", tmp_path / "out.de"
+    src.write_text("\n".join(read_gz_lines(multi30k_dir / "train.en.gz")[:3400]) + "\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["translate", run, "--input", src, "--output", out, "--workers", "2", *FP32]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nmt", *map(str, args)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,  # a group of its own, signalled as a terminal signals one
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    deadline = time.monotonic() + 120
+    while not spawned_children(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    children = spawned_children(proc.pid)
+    assert children, "no decoding child was started"
+    time.sleep(0.3)  # importing torch: it takes the child ~1.5 s to load
+    os.killpg(proc.pid, sig)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == code, stderr
+    assert stderr.split() == [message], stderr  # no traceback, no warning of a child lost
+    assert not out.exists()
+    assert not any(Path(f"/proc/{pid}").exists() for pid in children)
+
+
 def test_nbest_output_keeps_an_entry_for_every_input_line(run, english):
     rows = out_lines(
         ok(
