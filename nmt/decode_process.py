@@ -33,7 +33,8 @@ An error in the child is raised in the caller as `DecodeProcessError`, with the 
 traceback in its message; lines that cannot join a running batch leave it as it was (a
 `JoinError`, raised by the `step` that brought them), a failed step loses it (as in a
 thread). If the child dies, the next call of each of its streams says so, and the next
-`stream` starts a new child (logged). The child ignores SIGINT and SIGTERM (from
+`stream` starts a new child (logged); one alive but silent for `ANSWER_TIMEOUT_S` (a deadlock,
+a stopped process) is killed, and taken as dead. The child ignores SIGINT and SIGTERM (from
 its start: they are blocked while it is spawned): a Ctrl-C on the terminal or a service
 manager's SIGTERM to the whole group reaches the server too, which answers the requests in
 flight and then closes its children (`close`); a child whose server is gone reads the end of
@@ -47,7 +48,6 @@ import contextlib
 import hashlib
 import itertools
 import logging
-import math
 import multiprocessing
 import multiprocessing.resource_tracker
 import multiprocessing.util  # registers its exit handler now: `_close_all` is registered after
@@ -72,6 +72,9 @@ log = logging.getLogger(__name__)
 # loading: a child silent this long is stuck (one compiling warms up step by step, and says so
 # at every step: its longest silence is one graph's compiling)
 START_TIMEOUT_S = 600.0
+# a request (a step, a batch's search): a child silent this long is stuck, and is killed (a
+# step takes milliseconds, a batch's search seconds, a graph compiled while serving tens of them)
+ANSWER_TIMEOUT_S = 600.0
 # `helping`: offline decoding of at least this many lines x beam hands batches to child processes
 HELPER_WORK = 10_000
 MODEL = "model"  # the name a `BatchHelper`'s child knows its model by
@@ -259,12 +262,18 @@ class DecodeProcess:
             conn.send(message)
         except (OSError, ValueError):  # a broken pipe, or closed
             raise self._ended() from None
-        if stop is not None:
-            try:
-                _poll(conn, math.inf, stop)
-            except SearchStopped:
-                self.close(timeout=0)
-                raise
+        try:
+            answered = _poll(conn, ANSWER_TIMEOUT_S, stop)
+        except SearchStopped:
+            self.close(timeout=0)
+            raise
+        if not answered:  # alive but silent (a deadlock, a stopped process): not waited on
+            pid = self.pid
+            self.close(timeout=0)
+            raise DecodeProcessError(
+                f"the decoding process (pid {pid}) answered nothing for {ANSWER_TIMEOUT_S:g} s "
+                "and was killed; its sentences are lost, and the next batch starts a new one"
+            )
         return self._answer(conn)
 
     def _answer(self, conn) -> Any:
@@ -322,10 +331,12 @@ class DecodeProcess:
                 conn.send(("exit",))
             conn.close()
         if process is not None:
-            process.join(timeout)
-            if process.is_alive():
-                process.kill()
-                process.join()
+            try:
+                process.join(timeout)
+            finally:  # killed even when the wait is interrupted (a second Ctrl-C at exit)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
 
 
 class RemoteStream:

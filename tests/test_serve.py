@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import multiprocessing.process
 import os
 import random
 import signal
@@ -29,7 +30,7 @@ from conftest import tiny_run
 from fastapi.testclient import TestClient
 from test_translate_cli import FP32, PNG_MAGIC, nmt_cli, ok, one_line_error, read_gz_lines
 
-from nmt import NMTError, checkpoint
+from nmt import NMTError, checkpoint, decode_process
 from nmt.decode_process import DecodeProcess, DecodeProcessError, JoinError, Load
 from nmt.engine import WARM_UP, NMTStream
 from nmt.models.base import count_parameters
@@ -817,6 +818,57 @@ def test_a_decoding_process_reports_its_errors(runs, served):
         DecodeProcessError, match=r"changed after the server \(or command\) loaded them"
     ):
         DecodeProcess([stale], threads=1).start()
+
+
+def gone(pid: int) -> bool:
+    """No process `pid` (ended and reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_silent_decoding_process_is_killed_and_replaced(runs, served, monkeypatch):
+    """A child alive but silent (stopped here; a deadlocked one alike) is not waited on for
+    ever: past ANSWER_TIMEOUT_S the request fails with `DecodeProcessError`, the child is
+    killed and the next stream starts a new one. A wait for a child's exit that is
+    interrupted (a second Ctrl-C while the server exits) still kills the child."""
+    monkeypatch.setattr(decode_process, "ANSWER_TIMEOUT_S", 1.0)
+    load = Load.of("tiny", served[0].engine)
+    opts = search_options(served[0].config.decode)
+    process = DecodeProcess([load], threads=1).start()
+    try:
+        stream = process.stream("tiny", opts)
+        stream.add(["A dog runs."], [1])
+        pid = process.pid
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(DecodeProcessError, match=r"answered nothing for 1 s and was killed"):
+            stream.step()
+        assert 1.0 <= time.monotonic() - started < 10 and gone(pid)
+        again = process.stream("tiny", opts)
+        again.add(["A dog runs."], [2])
+        ended = []
+        while len(again):
+            ended += again.step()
+        assert process.started == 2 and [i for i, _ in ended] == [2]
+
+        pid = process.pid
+        os.kill(pid, signal.SIGSTOP)  # it cannot exit when asked
+        join = multiprocessing.process.BaseProcess.join
+
+        def interrupted(self, timeout=None):
+            if timeout is not None:
+                raise KeyboardInterrupt
+            return join(self, timeout)
+
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "join", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            process.close(timeout=10)
+        assert gone(pid)
+    finally:
+        process.close()
 
 
 # -- a real uvicorn process ------------------------------------------------------------------------
