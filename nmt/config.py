@@ -166,6 +166,22 @@ class TrainConfig:
         _check(self.batch_multiple >= 1, "train.batch_multiple", "must be >= 1")
         _check(self.accumulate >= 1, "train.accumulate", "must be >= 1")
         _check(self.lr > 0, "train.lr", "must be > 0")
+        _check(
+            len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+            "train.betas",
+            "must be two numbers in [0, 1), e.g. [0.9, 0.98]",
+        )
+        _check(self.eps > 0, "train.eps", "must be > 0")
+        _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+        _check(self.clip_norm >= 0, "train.clip_norm", "must be >= 0 (0 disables clipping)")
+        _check(self.min_lr >= 0, "train.min_lr", "must be >= 0")
+        _check(0.0 < self.plateau_factor < 1.0, "train.plateau_factor", "must be in (0, 1)")
+        _check(self.plateau_patience >= 0, "train.plateau_patience", "must be >= 0")
+        _check(
+            self.patience is None or self.patience >= 1,
+            "train.patience",
+            "must be >= 1 (validations without improvement), or null for no early stopping",
+        )
         _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing", "must be in [0, 1)")
         _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         budgets = (self.max_steps, self.max_epochs, self.max_minutes, self.max_tokens)
