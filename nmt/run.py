@@ -376,16 +376,16 @@ def step_of(path: Path) -> int:
 
 class RunLog:
     """Where a training run writes what happens: metrics.jsonl, train.log and (optionally)
-    TensorBoard. Opened on resume, it first drops the records logged after the step the run
-    restarts from (a killed run may have logged steps it will now repeat, or half a line)."""
+    TensorBoard. Opened by training (`start_step`: the step it starts from), it first drops
+    the records logged after that step: a killed run may have logged steps it will now
+    repeat, or half a line; a new run (step 0) keeps none, not even those of an attempt
+    killed before its first checkpoint. `start_step` None appends (a record after training)."""
 
-    def __init__(self, run: RunDir, resume_step: int | None, tensorboard: bool) -> None:
+    def __init__(self, run: RunDir, start_step: int | None, tensorboard: bool) -> None:
         run.path.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None and run.metrics_file.is_file():
-            keep = [r for r in run.metrics() if r["step"] <= resume_step]
-            run.metrics_file.write_text(
-                "".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8"
-            )
+        if start_step is not None and run.metrics_file.is_file():
+            keep = [r for r in run.metrics() if r["step"] <= start_step] if start_step else []
+            write_atomic(run.metrics_file, "".join(json.dumps(r) + "\n" for r in keep))
         self._metrics = open(run.metrics_file, "a", encoding="utf-8")  # noqa: SIM115
         self._logger = logging.getLogger(f"nmt.run.{run.path.resolve()}")
         self._logger.setLevel(logging.INFO)

@@ -739,7 +739,7 @@ def train_loop(
         runlog = None
         if world.is_main:
             runlog = closing.enter_context(
-                RunLog(run, progress.step if resumed else None, t.tensorboard)
+                RunLog(run, progress.step, t.tensorboard)  # 0 for a new run
             )
             info = start_info(cfg, trainee, prepared, batches, progress, total_steps, resumed)
             reporter.start(info)

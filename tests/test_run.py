@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -134,6 +135,28 @@ def test_two_trainings_on_one_run_directory(tmp_path):
     records = RunDir(run).metrics()
     assert [r["step"] for r in records if r["kind"] == "train"] == [10, 20, 30, 40]
     assert checkpoint.load(run / "checkpoints" / "last.pt")["progress"]["step"] == 40
+
+
+def test_a_new_run_drops_the_records_of_an_attempt_killed_before_its_first_checkpoint(
+    tmp_path,
+):
+    """A run killed before its first save leaves its directory configured, with the records
+    it logged (and maybe half a line): the next training starts anew there, and its
+    metrics.jsonl holds its own records only, every line whole."""
+    sets = ["train.max_steps=20", "train.valid_every=20", "train.log_every=10"]
+    cfg = config.load(TINY, sets)
+    run = RunDir(tmp_path / "run")
+    attach(prepare(cfg), cfg, run.path)
+    stale = [{"kind": "train", "step": s, "loss": 9.0} for s in (10, 20, 30)]
+    run.metrics_file.write_text(
+        "".join(json.dumps(r) + "\n" for r in stale) + '{"kind": "train", "st'
+    )
+    assert run.state(cfg.train).kind == "configured"
+    res = run_nmt("train", TINY, "--run-dir", run.path, *[a for x in sets for a in ("--set", x)])
+    assert res.returncode == 0, res.stderr
+    records = [json.loads(line) for line in run.metrics_file.read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [10, 20]
+    assert all(r.get("loss") != 9.0 for r in records)
 
 
 def test_a_sigkilled_training_leaves_no_lock_behind(tmp_path):
