@@ -274,6 +274,7 @@ def train(
 ) -> None:
     """Train the recipe's model (prepares the data first when it is missing or stale)."""
     from nmt.run import RunDir
+    from nmt.train import INTERRUPTED
     from nmt.train import train as run_train
 
     run = RunDir(run_dir or default_run_dir(recipe))
@@ -293,7 +294,7 @@ def train(
             f"{result.stop_reason} at step {p.step:,} ({p.seconds / 60:.1f} min, "
             f"{p.tokens:,} target tokens); checkpoints in {run.checkpoints_dir}"
         )
-        if result.stop_reason.startswith("interrupted"):
+        if result.stop_reason.startswith(INTERRUPTED):
             err.print(f"resume with: nmt train {recipe} --run-dir {run} --resume")
     if result.stop_reason.startswith("stopped:"):
         sys.exit(1)

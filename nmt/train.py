@@ -563,6 +563,9 @@ def resume_from(
     return progress
 
 
+INTERRUPTED = "interrupted"  # a stop reason's start when a signal stopped training
+
+
 def decide(progress: TrainProgress, t: TrainConfig, signals: Signals, world: World) -> str:
     """Why training stops after this step ('' to go on): a budget (steps, epochs, minutes) or
     a signal. Every rank must stop at the same step: they agree on the host flags (a signal
@@ -572,7 +575,7 @@ def decide(progress: TrainProgress, t: TrainConfig, signals: Signals, world: Wor
     got_signal, out_of_time = distributed.host_sum(flags, world)
     reason = spent_budget(progress, t, out_of_time=out_of_time > 0)
     if not reason and got_signal:
-        reason = f"interrupted ({signals.received or 'signal on another rank'})"
+        reason = f"{INTERRUPTED} ({signals.received or 'signal on another rank'})"
     return reason
 
 
@@ -792,7 +795,11 @@ def train_loop(
                     progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
                 # Decide: non-finite losses, budgets and signals, agreed by every rank.
                 stop_reason = decide(progress, t, signals, world)
-                due = bool(stop_reason) or progress.step % t.valid_every == 0
+                # validation at the end of training, not at an interruption: it would move the
+                # state a resumed run goes on from (best, patience, plateau), which an
+                # uninterrupted run has not
+                ends = bool(stop_reason) and not stop_reason.startswith(INTERRUPTED)
+                due = ends or progress.step % t.valid_every == 0
                 save_due = bool(stop_reason) or progress.step % t.save_every == 0
                 if (due or save_due) and not read:  # checkpoints hold exact counts
                     bad_run = measure(meter, window, progress)

@@ -463,8 +463,14 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
     assert "interrupted (SIGTERM)" in stderr and "--resume" in stderr
-    step = checkpoint.load(run_dir / "checkpoints" / "last.pt")["progress"]["step"]
+    last = checkpoint.load(run_dir / "checkpoints" / "last.pt")
+    step = last["progress"]["step"]
     assert 5 <= step < 100000
+    # no validation at the interruption: it would move what the resumed run goes on from
+    # (best, patience, plateau), which an uninterrupted run has not moved
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not any(r["kind"] == "valid" for r in records)
+    assert not (run_dir / "checkpoints" / "best.pt").exists()
     again = run_cli("train", recipe, "--run-dir", str(run_dir))
     assert again.returncode == 2 and "--resume" in again.stderr  # never overwrites a run
     resumed = run_cli(
