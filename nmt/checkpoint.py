@@ -71,12 +71,29 @@ def load(path: Path, mmap: bool = False) -> dict[str, Any]:
     return payload
 
 
+def model_difference(payload: dict[str, Any], other: dict[str, Any]) -> str | None:
+    """What makes two checkpoints hold different models (None: the same one, whose weights
+    can be averaged): the architecture, the vocabulary, or the model, data or tokenizer
+    section of their config (the data and tokenizer say what the token ids mean)."""
+    for key in ("arch", "vocab"):
+        if payload.get(key) != other.get(key):
+            return f"{key} {payload.get(key)} against {other.get(key)}"
+    for section in ("model", "data", "tokenizer"):
+        if payload["config"].get(section) != other["config"].get(section):
+            return f"the config's {section} section"
+    return None
+
+
 def average(paths: list[Path]) -> dict[str, Any]:
-    """Average the model parameters of several checkpoints of the same run."""
+    """Average the model parameters of several checkpoints of the same model
+    (`model_difference`)."""
     if not paths:
         raise NMTError("nothing to average: no checkpoints given")
     payloads = [load(p, mmap=True) for p in paths]  # only their models are read
     first = payloads[0]
+    for p, other in zip(paths[1:], payloads[1:]):
+        if difference := model_difference(other, first):
+            raise NMTError(f"cannot average {p} with {paths[0]}: another model ({difference})")
     avg = {}
     for key, value in first["model"].items():
         if not value.is_floating_point():

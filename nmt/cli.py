@@ -764,9 +764,22 @@ def average(
     target = output or runs.checkpoint("averaged")
     if target.is_dir():
         raise NMTError(f"--output {target} is a directory; give a file name")
+    why = {"last": "training resumes from it", "best": "a better average is promoted to it"}
+    for kind, reason in why.items():
+        if target.resolve() == runs.checkpoint(kind).resolve():
+            raise NMTError(
+                f"--output {target} is the run's {kind}.pt ({reason}); give another file name"
+            )
     dev = _decode_device(device)
     with runs.writer():  # no training may write the run meanwhile
         averaged = checkpoint.average(paths)
+        if runs.checkpoint("last").is_file():  # the run's own model, not another's
+            own = checkpoint.load(runs.checkpoint("last"), mmap=True)
+            if difference := checkpoint.model_difference(averaged, own):
+                raise NMTError(
+                    f"the checkpoints given are not of {run}'s model ({difference}); average "
+                    "checkpoints of the run itself"
+                )
         averaged["run_dir"] = averaged.get("run_dir") or str(RunDir.of_checkpoint(paths[-1]).path)
         averaged["averaged"] = sorted(
             checkpoint.load(p, mmap=True)["progress"]["step"] for p in paths

@@ -1260,7 +1260,20 @@ def test_average_explicit_checkpoints_and_mismatches(run, short_runs, tmp_path):
             tmp_path / "x.pt",
         )
     )
-    assert "its model differs" in message and not (tmp_path / "x.pt").exists()
+    assert "another model (arch rnn_attention against transformer)" in message
+    assert not (tmp_path / "x.pt").exists()
+    # another run's checkpoint averaged (alone) into this run: refused before anything is
+    # written, so it never becomes this run's best.pt
+    s2s = short_runs("seq2seq")
+    before = {p.name: p.read_bytes() for p in (s2s / "checkpoints").iterdir()}
+    message = one_line_error(nmt_cli("average", s2s, "--checkpoint", ckpts / "last.pt"))
+    assert f"not of {s2s}'s model (arch transformer against seq2seq)" in message
+    assert {p.name: p.read_bytes() for p in (s2s / "checkpoints").iterdir()} == before
+    # an average written over the run's last.pt would leave nothing to resume from
+    before = (ckpts / "last.pt").read_bytes()
+    message = one_line_error(nmt_cli("average", run, "--last", "2", "--output", ckpts / "last.pt"))
+    assert "is the run's last.pt (training resumes from it)" in message
+    assert (ckpts / "last.pt").read_bytes() == before
 
 
 def test_version_and_the_default_run_directory(tmp_path):
