@@ -531,9 +531,34 @@ def check_start(run: RunDir, cfg: Config, resume: bool) -> TrainProgress | str |
         raise NMTError(
             f"nothing to resume: {run.checkpoint('last')} does not exist; drop --resume to start"
         )
+    if resume and state.kind in ("resumable", "finished"):
+        check_resumable(run.checkpoint("last"), cfg)
     if state.kind == "finished":
         return state.reason
     return state.progress
+
+
+def check_resumable(path: Path, cfg: Config) -> None:
+    """`NMTError` unless the checkpoint at `path` is one training wrote of `cfg`'s model (its
+    architecture and model section), with its optimizer state: checked before the run
+    directory is written (`resume_from` loads it later)."""
+    payload = checkpoint.load(path, mmap=True)
+    saved = payload.get("config", {}).get("model") or {}
+    model = cfg.to_dict()["model"]  # the keys the checkpoint has (an older one may lack some)
+    own = {"arch": arch_of(cfg.model), "model": {k: model.get(k) for k in saved}}
+    theirs = {"arch": payload.get("arch"), "model": saved}
+    if theirs != own:
+        what = "architecture" if theirs["arch"] != own["arch"] else "model section"
+        raise NMTError(
+            f"cannot resume from {path}: it holds another model than the recipe's (its {what} "
+            f"differs: {theirs['arch']} against {own['arch']}); resume a run with the recipe it "
+            "was trained with"
+        )
+    if payload.get("optimizer") is None:
+        raise NMTError(
+            f"cannot resume from {path}: it holds no optimizer state (an average?); resume "
+            "from a checkpoint training wrote"
+        )
 
 
 def resume_from(
@@ -542,9 +567,20 @@ def resume_from(
     """Load last.pt into the trainee; restore the RNG states and the data position. Exact when
     as many processes resume as saved the run; otherwise the position in the epoch and the
     RNG states are re-derived, and the reporter says so."""
-    payload = checkpoint.load(run.checkpoint("last"))
-    trainee.model.load_state_dict(payload["model"])
-    trainee.optimizer.load_state_dict(payload["optimizer"])
+    path = run.checkpoint("last")
+    payload = checkpoint.load(path)
+    try:  # its architecture and model section are the recipe's (`check_resumable`)
+        trainee.model.load_state_dict(payload["model"])
+        trainee.optimizer.load_state_dict(payload["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        # torch's first line only says that loading failed; the next one says what differs
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [repr(e)]
+        detail = lines[1] if len(lines) > 1 else lines[0]
+        detail = detail if len(detail) <= 160 else detail[:157] + "..."
+        raise NMTError(
+            f"cannot resume from {path}: it holds another model than the recipe's "
+            f"({detail}); resume a run with the recipe it was trained with"
+        ) from None
     if payload.get("scaler"):
         trainee.scaler.load_state_dict(payload["scaler"])
     progress = TrainProgress.from_dict(payload["progress"])

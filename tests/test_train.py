@@ -723,6 +723,29 @@ def test_resume_from_a_damaged_checkpoint_leaves_the_run_as_it_was(tmp_path):
     assert files_of(run) == before
 
 
+def test_resume_from_another_models_checkpoint_leaves_the_run_as_it_was(tmp_path):
+    """A last.pt that is not this recipe's model (another architecture's weights, copied in),
+    or holds no optimizer state (an average written over it): one line, exit code 2, and the
+    run as it was."""
+    recipe, run = three_step_cli_run(tmp_path)
+    last = run / "checkpoints" / "last.pt"
+    payload = checkpoint.load(last)
+    other = {**payload, "arch": "seq2seq"}  # a seq2seq run's last.pt, as far as it says
+    for damaged, fragment in (
+        (other, "another model than the recipe's (its architecture differs: seq2seq against"),
+        ({**payload, "optimizer": None}, "it holds no optimizer state"),
+    ):
+        checkpoint.save(damaged, last)
+        before = files_of(run)
+        res = run_cli(
+            "train", recipe, "--run-dir", str(run), "--resume", "--set", "train.max_steps=6"
+        )
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        error = res.stderr.strip().splitlines()[-1]
+        assert error.startswith(f"error: cannot resume from {last}") and fragment in error
+        assert files_of(run) == before
+
+
 def test_resume_at_an_epoch_boundary_with_accumulation_is_exact(tmp_path):
     """Stopped exactly at the end of an epoch (where the epoch counter advances) with
     train.accumulate=2 and an odd number of batches, then resumed: bitwise equal weights."""
