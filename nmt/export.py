@@ -24,6 +24,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -177,10 +178,13 @@ def _remove(path: Path) -> None:
 
 
 def _remove_stale(out: Path) -> None:
-    """Temporary directories of exports to `out` whose process is gone (killed mid-export)."""
+    """Temporary directories of exports to `out` whose process is gone (killed mid-export):
+    the names `staged` and `publish` make, .NAME.tmp-PID-X and .NAME.old-PID-X, only."""
+    ours = re.compile(rf"\.{re.escape(out.name)}\.(tmp|old)-(\d+)-[A-Za-z0-9_]+")
     for leftover in out.parent.glob(f".{out.name}.*-*"):
-        pid = leftover.name.rsplit("-", 2)[-2] if leftover.name.count("-") >= 2 else ""
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        match = ours.fullmatch(leftover.name)
+        pid = int(match.group(2)) if match else None
+        if pid is not None and pid != os.getpid() and not _alive(pid):
             _remove(leftover)
 
 
@@ -250,8 +254,17 @@ def _stamp(source: Source, fmt: str, quantization: str | None) -> dict[str, Any]
 
 
 def _check_out(out: Path, force: bool) -> None:
-    if (out.exists() or out.is_symlink()) and not force:
+    """`out` may be written: absent, or (with `force`) an earlier export, which it replaces;
+    never anything else, such as the run itself or a folder holding it."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not force:
         raise NMTError(f"{out} already exists; add --force to replace it")
+    if not out.is_dir() or read_stamp(out) is None:
+        raise NMTError(
+            f"{out} exists and is not an nmt export (no {STAMP} in it): --force replaces "
+            "only an earlier export; choose another --out"
+        )
 
 
 # -- CTranslate2 --------------------------------------------------------------------------------

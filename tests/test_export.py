@@ -571,8 +571,12 @@ def test_an_export_killed_midway_is_cleaned_up_by_the_next(runs, tmp_path):
     stale = tmp_path / f".model.tmp-{dead.pid}-abc123"
     stale.mkdir()
     (stale / "model.bin").write_bytes(b"half")
+    mine = tmp_path / ".model.bak-2024-06"  # a user's folder, named alike: not the export's
+    mine.mkdir()
+    (mine / "notes").write_text("keep")
     export.export_ctranslate2(runs("pre-sinusoidal-tied"), tmp_path / "model")
-    assert leftovers(tmp_path) == [] and (tmp_path / "model" / "model.bin").is_file()
+    assert leftovers(tmp_path) == [mine.name] and (tmp_path / "model" / "model.bin").is_file()
+    assert (mine / "notes").read_text() == "keep"
 
 
 def copy_run(run: Path, to: Path) -> Path:
@@ -698,6 +702,13 @@ def test_cli_refusals_are_one_line(runs, tmp_path):
     existing.mkdir()
     line = one_line_error(nmt_cli("export", pre, "--format", "ctranslate2", "--out", existing))
     assert "--force" in line and list(existing.iterdir()) == []
+    # --force replaces an earlier export, never another folder: the run itself, its parent
+    copy = shutil.copytree(pre, tmp_path / "copy")
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    for out in (copy, tmp_path, existing):
+        args = ("export", copy, "--format", "ctranslate2", "--out", out, "--force")
+        assert "is not an nmt export" in one_line_error(nmt_cli(*args))
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
     with pytest.raises(NMTError, match="int8_float32"):
         export.export_ctranslate2(pre, tmp_path / "q", "int3")
     stdin = "A dog.\n"
