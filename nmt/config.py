@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import types
 import typing
@@ -220,6 +221,12 @@ class TrainConfig:
         _check(self.dist_timeout_minutes > 0, "train.dist_timeout_minutes", "must be > 0")
 
 
+# Bounds of an output length limit a * |source| + b: far past any translation, and within
+# what the search's integer lengths hold.
+MAX_LEN_A = 100.0
+MAX_LEN_B = 1_000_000
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Search settings used by validation, `nmt translate`, `nmt evaluate` and `nmt compare`."""
@@ -248,20 +255,27 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         _check(self.beam >= 1, "decode.beam", "must be >= 1")
         _check(1 <= self.nbest <= self.beam, "decode.nbest", "must be between 1 and decode.beam")
-        _check(self.max_len_a >= 0 and self.max_len_b >= 1, "decode.max_len_b", "must be >= 1")
+        _check(
+            0 <= self.max_len_a <= MAX_LEN_A,
+            "decode.max_len_a",
+            f"must be in [0, {MAX_LEN_A:g}] (output tokens per source token)",
+        )
+        _check(
+            1 <= self.max_len_b <= MAX_LEN_B, "decode.max_len_b", f"must be in [1, {MAX_LEN_B:,}]"
+        )
         _check(self.batch_tokens >= 16, "decode.batch_tokens", "must be >= 16")
         _check(self.workers >= 0, "decode.workers", "must be >= 0 (0 = auto)")
         _check(self.min_len >= 0, "decode.min_len", "must be >= 0")
         _check(
-            self.length_penalty >= 0,
+            0 <= self.length_penalty < math.inf,
             "decode.length_penalty",
             "must be >= 0 (beam search stops early on a bound that holds for alpha >= 0)",
         )
         _check(self.no_repeat_ngram >= 0, "decode.no_repeat_ngram", "must be >= 0 (0 = off)")
         _check(
-            self.patience is None or self.patience > 0,
+            self.patience is None or 0 < self.patience < math.inf,
             "decode.patience",
-            "must be > 0, or null for the exact stopping rule",
+            "must be > 0 and finite, or null for the exact stopping rule",
         )
 
 

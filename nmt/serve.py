@@ -184,6 +184,10 @@ class ServedModel:
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # the longest output a request may ask for: what the served defaults allow the longest
+        # line (a request's a * |x| + b, beyond which a degenerate model keeps decoding)
+        d = self.config.decode
+        self.max_output_tokens = math.floor(d.max_len_a * self.max_tokens + d.max_len_b)
         self.options = lru_cache(maxsize=256)(self._options)
         self._held = contextlib.ExitStack()
         self._held.enter_context(self.engine.held())  # weights fixed while serving
@@ -218,6 +222,11 @@ class ServedModel:
                 raise NMTError("give max_len, or max_len_a and max_len_b, not both")
             if values["max_len"] < 1:
                 raise NMTError(f"max_len must be >= 1 (got {values['max_len']})")
+            if values["max_len"] >= self.max_output_tokens:  # the limit counts the EOS
+                raise NMTError(
+                    f"max_len {values['max_len']} is above this server's limit of "
+                    f"{self.max_output_tokens - 1}"
+                )
             # at most max_len tokens whatever the source length (the limit counts the EOS)
             values["max_len_a"], values["max_len_b"] = 0.0, values.pop("max_len") + 1
         if asked.beam is not None and asked.nbest is None:  # as nmt translate --beam
@@ -226,6 +235,13 @@ class ServedModel:
         if beam > max_beam:
             raise NMTError(f"beam {beam} is larger than this server's limit of {max_beam}")
         d = config.replace(self.config, [f"decode.{k}={v}" for k, v in values.items()])
+        longest = math.floor(d.decode.max_len_a * self.max_tokens + d.decode.max_len_b)
+        if longest > self.max_output_tokens:
+            raise NMTError(
+                f"max_len_a x {self.max_tokens} + max_len_b (the output limit of the longest "
+                f"line served) is {longest}, above this server's limit of "
+                f"{self.max_output_tokens} tokens: ask for less"
+            )
         opts = search_options(d.decode)
         self.engine.check(opts)
         return opts
@@ -314,6 +330,7 @@ def load_served(
         "precision": opened.precision,
         "attention": served.has_attention,
         "max_line_tokens": served.max_tokens,
+        "max_output_tokens": served.max_output_tokens,
     }
     return served
 
@@ -1093,6 +1110,8 @@ def create_app(
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             msg = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
             raise ApiError(400, f"the body is not valid JSON ({msg})") from None
+        except RecursionError:
+            raise ApiError(400, "the body's JSON is nested too deeply") from None
         try:
             req = TranslateRequest.model_validate(raw)
         except ValidationError as e:
@@ -1107,10 +1126,25 @@ def create_app(
     return app
 
 
+def _check_unicode(text: str, what: str) -> None:
+    """ApiError 422 for a string JSON can carry but UTF-8 cannot: a lone surrogate
+    ("\\ud800"), which the tokenizer and the answer could not take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(
+            422, f"{what} is not valid Unicode (a lone surrogate such as \\ud800); send text"
+        ) from None
+
+
 async def _translate(state: ServerState, req: TranslateRequest) -> dict[str, Any]:
     s = state.settings
+    if req.model is not None:
+        _check_unicode(req.model, "field 'model'")
     served = state.model(req.model)
     lines = [req.text] if isinstance(req.text, str) else req.text
+    for i, line in enumerate(lines):
+        _check_unicode(line, f"line {i + 1}")
     if not lines:
         raise ApiError(422, "field 'text' is an empty list; send at least one line")
     if len(lines) > s.max_lines:

@@ -172,6 +172,7 @@ def test_models(client, runs, served):
     assert by_name["tiny"]["step"] == 160 and by_name["tiny"]["attention"] is True
     assert by_name["s2s"]["arch"] == "seq2seq" and by_name["s2s"]["attention"] is False
     assert by_name["tiny"]["max_line_tokens"] == 256  # 2 x data.max_len
+    assert by_name["tiny"]["max_output_tokens"] == 312  # 256 x max_len_a + max_len_b, floored
 
 
 def test_health_docs_and_page(client):
@@ -270,6 +271,13 @@ BAD = [
     ({"text": "a", "max_len": 5, "max_len_b": 3}, 422, "not both"),
     ({"text": "a", "length_penalty": -1}, 422, "invalid value for decode.length_penalty"),
     ({"text": "a", "patience": 0}, 422, "invalid value for decode.patience"),
+    (b'{"text": "a", "patience": 1e400}', 422, "invalid value for decode.patience"),  # inf
+    ({"text": "a", "max_len_a": 1e300}, 422, "invalid value for decode.max_len_a"),
+    ({"text": "a", "max_len": 10**6}, 422, "max_len 1000000 is above this server's limit of"),
+    ({"text": "a", "max_len_b": 10**5}, 422, "is 100307, above this server's limit of 312"),
+    (b'{"text": "\\ud800 dog"}', 422, "line 1 is not valid Unicode"),
+    (b'{"text": "a", "model": "\\ud800"}', 422, "field 'model' is not valid Unicode"),
+    (b"[" * 2000 + b"]" * 2000, 400, "nested too deeply"),
     ({"text": ["a", "b"], "attention": True}, 422, "attention is drawn for one non-empty line"),
     ({"text": "a", "model": "s2s", "attention": True}, 422, "has no attention"),
     ({"text": "a " * 3000}, 413, "larger than this server's limit of 4,096 bytes"),
