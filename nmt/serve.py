@@ -42,7 +42,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -1029,6 +1029,11 @@ def create_app(
     async def client_error(request: Request, e: ApiError) -> JSONResponse:
         return _error(e.status, str(e))
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, e: ClientGone) -> JSONResponse:
+        # nobody reads it; 499 is what nginx logs for a client that closed its connection
+        return _error(499, "the client closed its connection before the answer was ready")
+
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, e: RequestValidationError) -> JSONResponse:
         errs = list(e.errors())
@@ -1116,7 +1121,7 @@ def create_app(
             req = TranslateRequest.model_validate(raw)
         except ValidationError as e:
             raise ApiError(422, _field_error(e.errors())) from None
-        return JSONResponse(await _translate(state, req))
+        return JSONResponse(await _translate(state, req, request.is_disconnected))
 
     @app.get("/", include_in_schema=False)
     async def page() -> FileResponse:
@@ -1124,6 +1129,25 @@ def create_app(
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
+
+
+class ClientGone(Exception):
+    """The client of a request closed its connection before its answer was ready."""
+
+
+GONE_POLL_S = 0.2  # how often a waiting request looks whether its client is still there
+
+
+async def _answer_unless_gone(future: asyncio.Future, gone: Callable[[], Awaitable[bool]]):
+    """`future`'s result, or `ClientGone` as soon as (within GONE_POLL_S) the client has
+    closed its connection: uvicorn does not cancel a request's task when its client leaves,
+    and what it queued would be decoded for nobody."""
+    while True:
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), GONE_POLL_S)
+        except TimeoutError:
+            if await gone():
+                raise ClientGone from None
 
 
 def _check_unicode(text: str, what: str) -> None:
@@ -1137,7 +1161,11 @@ def _check_unicode(text: str, what: str) -> None:
         ) from None
 
 
-async def _translate(state: ServerState, req: TranslateRequest) -> dict[str, Any]:
+async def _translate(
+    state: ServerState, req: TranslateRequest, gone: Callable[[], Awaitable[bool]]
+) -> dict[str, Any]:
+    """The answer to a valid request; `gone` says whether its client has gone away (the
+    decoding of what it queued is then cancelled)."""
     s = state.settings
     if req.model is not None:
         _check_unicode(req.model, "field 'model'")
@@ -1214,8 +1242,8 @@ async def _translate(state: ServerState, req: TranslateRequest) -> dict[str, Any
         except RuntimeError:
             raise ApiError(503, "the server is shutting down") from None
         try:
-            decoded = await future
-        except asyncio.CancelledError:
+            decoded = await _answer_unless_gone(future, gone)
+        except (asyncio.CancelledError, ClientGone):
             b.cancel(job)
             raise
         except Exception:  # logged with its traceback by the batcher

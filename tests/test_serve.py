@@ -34,7 +34,15 @@ from nmt import NMTError, checkpoint, decode_process
 from nmt.decode_process import DecodeProcess, DecodeProcessError, JoinError, Load
 from nmt.engine import WARM_UP, NMTStream
 from nmt.models.base import count_parameters
-from nmt.serve import Batcher, ModelSpec, ServeSettings, create_app, load_served, serve
+from nmt.serve import (
+    GONE_POLL_S,
+    Batcher,
+    ModelSpec,
+    ServeSettings,
+    create_app,
+    load_served,
+    serve,
+)
 from nmt.translate import load_model, search_options, translate_lines
 
 CPU = torch.device("cpu")
@@ -480,6 +488,71 @@ class GatedStream:
             gate.entered.notify_all()
         assert gate.permits.acquire(timeout=60)
         return self.stream.step()
+
+
+def test_a_client_that_goes_away_cancels_its_request(served, english, monkeypatch):
+    """uvicorn does not cancel a request's task when its client closes the connection: the
+    request itself notices (within GONE_POLL_S), cancels its job in the batcher (what is
+    still queued is dropped, not decoded for nobody) and ends with a 499, though its
+    sentences are still being decoded (held here at their first step)."""
+    gate = Gated(served[0].engine)
+    tiny = dataclasses.replace(served[0], engine=gate)
+    cancelled = []
+    cancel = Batcher.cancel
+
+    def recording(self, job) -> None:
+        cancelled.append(job)
+        cancel(self, job)
+
+    monkeypatch.setattr(Batcher, "cancel", recording)
+    body = json.dumps({"text": english[:4]}).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/translate",
+        "raw_path": b"/translate",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
+    app = create_app([tiny], SETTINGS)
+    with TestClient(app) as c:
+
+        async def ask_then_leave() -> tuple[list[dict], float]:
+            import anyio
+
+            messages = [{"type": "http.request", "body": body, "more_body": False}]
+            sent: list[dict] = []
+            left = None
+
+            async def receive() -> dict:
+                nonlocal left
+                if messages:
+                    return messages.pop(0)
+                while gate.steps < 1:  # it leaves once its sentences are being decoded
+                    await anyio.sleep(0.01)
+                left = left or time.monotonic()
+                return {"type": "http.disconnect"}
+
+            async def send(message: dict) -> None:
+                sent.append(message)
+
+            with anyio.fail_after(30):  # without noticing, it would wait for the gate
+                await app(scope, receive, send)
+            return sent, time.monotonic() - left
+
+        try:
+            sent, after = c.portal.call(ask_then_leave)
+        finally:
+            gate.go(10_000)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert len(cancelled) == 1 and cancelled[0].cancelled
+    assert after < 5 * GONE_POLL_S
 
 
 def test_a_running_batch_takes_a_lone_newcomer_a_step_later_with_company(served, english, alone):
