@@ -79,8 +79,10 @@ def model_difference(payload: dict[str, Any], other: dict[str, Any]) -> str | No
         if payload.get(key) != other.get(key):
             return f"{key} {payload.get(key)} against {other.get(key)}"
     for section in ("model", "data", "tokenizer"):
-        if payload["config"].get(section) != other["config"].get(section):
-            return f"the config's {section} section"
+        a, b = payload["config"].get(section) or {}, other["config"].get(section) or {}
+        for key in a.keys() & b.keys():  # (a checkpoint of an older nmt may lack new keys)
+            if a[key] != b[key]:
+                return f"{section}.{key} {a[key]} against {b[key]}"
     return None
 
 

@@ -731,8 +731,13 @@ def test_resume_from_another_models_checkpoint_leaves_the_run_as_it_was(tmp_path
     last = run / "checkpoints" / "last.pt"
     payload = checkpoint.load(last)
     other = {**payload, "arch": "seq2seq"}  # a seq2seq run's last.pt, as far as it says
+    config = payload["config"]
     for damaged, fragment in (
-        (other, "another model than the recipe's (its architecture differs: seq2seq against"),
+        (other, "another model than the recipe's (its architecture is seq2seq, the recipe's"),
+        (
+            {**payload, "config": {**config, "model": {**config["model"], "ffn_dim": 7}}},
+            "another model than the recipe's (its model.ffn_dim is 7, the recipe's",
+        ),
         ({**payload, "optimizer": None}, "it holds no optimizer state"),
     ):
         checkpoint.save(damaged, last)
