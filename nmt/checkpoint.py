@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from nmt import NMTError, first_line
+from nmt.files import sync_dir
 
 FORMAT = "nmt-checkpoint-1"
 
@@ -34,11 +35,7 @@ def save(payload: dict[str, Any], path: Path) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    sync_dir(path.parent)
 
 
 def load(path: Path, mmap: bool = False) -> dict[str, Any]:

@@ -23,8 +23,19 @@ def write_atomic(path: Path, content: str | bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        sync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def sync_dir(directory: Path) -> None:
+    """fsync a directory, so that a rename into it survives a crash (where it can be opened)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_lines(path: Path, lines: list[str]) -> None:
@@ -38,7 +49,7 @@ def replacing(path: Path, what: str = "--output") -> Iterator[TextIO]:
     """A text file to stream into, moved over `path` once the scope ends without an error;
     on an error (or Ctrl-C) `path` stays as it was. `what` names the path in errors."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # two writers: one file each
     try:
         f = open(tmp, "w", encoding="utf-8")  # noqa: SIM115
     except OSError as e:
@@ -47,5 +58,6 @@ def replacing(path: Path, what: str = "--output") -> Iterator[TextIO]:
         with f:
             yield f
         os.replace(tmp, path)
+        sync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)

@@ -159,6 +159,30 @@ def test_a_new_run_drops_the_records_of_an_attempt_killed_before_its_first_check
     assert all(r.get("loss") != 9.0 for r in records)
 
 
+def test_two_writers_of_one_output_each_write_a_whole_file(tmp_path):
+    """`replacing` (nmt translate --output, nmt evaluate's files): two processes writing the
+    same path at once each stream into a temporary file of their own, so the path ends up
+    whole, one writer's lines or the other's, never a mix, and no temporary file is left."""
+    out = tmp_path / "out.txt"
+    code = (
+        "import sys, time\n"
+        "from nmt.files import replacing\n"
+        "with replacing(sys.argv[1]) as f:\n"
+        "    for i in range(4):\n"
+        "        f.write(sys.argv[2] * 1000 + '\\n'); f.flush(); time.sleep(float(sys.argv[3]))\n"
+    )
+    slow = subprocess.Popen(
+        [sys.executable, "-c", code, str(out), "a", "1.0"], stderr=subprocess.PIPE, text=True
+    )
+    own = tmp_path / f".out.txt.tmp-{slow.pid}"
+    wait_until(lambda: own.is_file() and own.stat().st_size > 0, slow)  # it has begun
+    subprocess.run([sys.executable, "-c", code, str(out), "b", "0"], check=True)
+    assert out.read_text() == ("b" * 1000 + "\n") * 4
+    assert slow.wait(timeout=60) == 0
+    assert out.read_text() == ("a" * 1000 + "\n") * 4  # the last to finish, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+
+
 def test_a_sigkilled_training_leaves_no_lock_behind(tmp_path):
     run = tmp_path / "run"
     sets = ["--set", "train.max_steps=400", "--set", "train.save_every=5"]

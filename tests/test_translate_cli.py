@@ -876,7 +876,7 @@ def test_interrupted_translation_exits_128_plus_signal_and_writes_nothing(
         # ignores SIGINT, and its children would inherit that and never see Ctrl-C
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    tmp = out.with_name(f".{out.name}.tmp")
+    tmp = out.with_name(f".{out.name}.tmp-{proc.pid}")
     deadline = time.monotonic() + 120
     while not tmp.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)  # the output is opened just before decoding starts
