@@ -570,6 +570,7 @@ def evaluate(
         given["--patience"] = patience
         given.update({"--precision": precision, "--quantization": quantization})
         given["--engine"] = None if engine == "nmt" else engine
+        given["--split"] = split  # a run's split to translate: --ref is the reference here
         if any(v is not None for v in given.values()):
             options = ", ".join(k for k, v in given.items() if v is not None)
             raise NMTError(f"{options} set(s) how a run translates; with --hyp there is none")

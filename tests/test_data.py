@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from nmt import NMTError
-from nmt.config import Config, from_dict
+from nmt.config import Config, DataConfig, from_dict
 from nmt.data.batching import EncodedSplit, TokenBatches
 from nmt.data.prepare import Prepared, prepare, prepared_dir, split_names
 from nmt.data.sources import MULTI30K, corpus_file, load_split
@@ -363,6 +363,20 @@ def test_source_specific_errors_name_the_problem(
     with pytest.raises(NMTError) as info:
         prepare(make_cfg({**base, **data}))
     assert fragment in str(info.value)
+
+
+def test_test_files_of_one_name_each_get_a_split():
+    """Test files with the same base name get numbered split names, none taken twice: a test
+    set whose name a numbered one took was silently dropped (not prepared, not scored)."""
+    data = DataConfig(
+        source="tsv",
+        train="t.tsv",
+        valid="v.tsv",
+        test=("a/test.tsv", "c/test_4.tsv", "b/test.tsv", "d/test.tsv"),
+    )
+    names = split_names(data)
+    assert sorted(names.values()) == sorted(["t.tsv", "v.tsv", *data.test])  # all kept
+    assert names["test"] == "a/test.tsv" and names["test_4"] == "c/test_4.tsv"
 
 
 def test_pipeline_errors_name_the_problem(tmp_path):

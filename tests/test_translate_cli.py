@@ -378,6 +378,16 @@ def test_evaluate_missing_file(files, tmp_path):
     assert str(missing) in message
 
 
+def test_evaluate_files_refuse_a_runs_options(files):
+    """With --hyp nothing is translated: --split (a run's split) is refused as --beam is,
+    not ignored."""
+    paths, _ = files
+    for option in (("--split", "test_2016_flickr"), ("--beam", "3")):
+        args = ("evaluate", "--hyp", paths["hyp"], "--ref", paths["ref"], *option)
+        message = one_line_error(nmt_cli(*args))
+        assert f"{option[0]} set(s) how a run translates; with --hyp there is none" in message
+
+
 @pytest.mark.parametrize(
     "args, fragment",
     [

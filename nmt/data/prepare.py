@@ -62,8 +62,9 @@ def split_names(cfg: DataConfig) -> dict[str, str]:
         name = (
             test if cfg.source in CORPORA or cfg.source == "hub" else Path(test).name.split(".")[0]
         )
-        if name in names:
-            name = f"{name}_{len(names)}"
+        base, n = name, len(names)
+        while name in names:  # a file name another test set has: the first free suffix
+            name, n = f"{base}_{n}", n + 1
         names[name] = test
     return names
 
