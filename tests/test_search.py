@@ -122,21 +122,33 @@ def model_logprob(model, source: list[int], tokens: list[int]) -> float:
     return math.fsum(logps)
 
 
-class Biased(torch.nn.Module):
-    """A trained model pushed to extremes: `eos` > 0 wants to stop at once, < 0 never wants to
-    stop; `repeat` > 0 wants to repeat the previous token forever; `unk` > 0 wants <unk>."""
+class Wrapped(torch.nn.Module):
+    """A trained model as it is: the test models below change what they say of it
+    (no `join`: a wrapper that joins says so itself)."""
 
-    def __init__(
-        self, model: torch.nn.Module, eos: float = 0.0, repeat: float = 0.0, unk: float = 0.0
-    ) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
-        self.model, self.eos, self.repeat, self.unk = model, eos, repeat, unk
+        self.model = model
 
     def encode(self, src, src_mask):
         return self.model.encode(src, src_mask)
 
     def init_state(self, memory):
         return self.model.init_state(memory)
+
+    def step(self, prev, state):
+        return self.model.step(prev, state)
+
+
+class Biased(Wrapped):
+    """A trained model pushed to extremes: `eos` > 0 wants to stop at once, < 0 never wants to
+    stop; `repeat` > 0 wants to repeat the previous token forever; `unk` > 0 wants <unk>."""
+
+    def __init__(
+        self, model: torch.nn.Module, eos: float = 0.0, repeat: float = 0.0, unk: float = 0.0
+    ) -> None:
+        super().__init__(model)
+        self.eos, self.repeat, self.unk = eos, repeat, unk
 
     def step(self, prev, state):
         out, state = self.model.step(prev, state)
@@ -203,18 +215,12 @@ def test_sentences_joining_a_running_search_are_searched_as_alone(trained, opts)
         assert [h.logprob for h in hyps] == pytest.approx([h.logprob for h in alone], abs=1e-4)
 
 
-class RowCounts(torch.nn.Module):
+class RowCounts(Wrapped):
     """Records the hypothesis rows of every step."""
 
     def __init__(self, model) -> None:
-        super().__init__()
-        self.model, self.rows = model, []
-
-    def encode(self, src, src_mask):
-        return self.model.encode(src, src_mask)
-
-    def init_state(self, memory):
-        return self.model.init_state(memory)
+        super().__init__(model)
+        self.rows = []
 
     def step(self, prev, state):
         self.rows.append(prev.size(0))
@@ -260,21 +266,12 @@ def test_a_long_stream_of_sentences_joining_one_at_a_time(transformer):
         assert [h.tokens for h in results[i]] == [h.tokens for h in alone]
 
 
-class FailsToJoin(torch.nn.Module):
+class FailsToJoin(Wrapped):
     """A model whose next `join` fails (memory running out as two states are put together)."""
 
     def __init__(self, model) -> None:
-        super().__init__()
-        self.model, self.fail = model, False
-
-    def encode(self, src, src_mask):
-        return self.model.encode(src, src_mask)
-
-    def init_state(self, memory):
-        return self.model.init_state(memory)
-
-    def step(self, prev, state):
-        return self.model.step(prev, state)
+        super().__init__(model)
+        self.fail = False
 
     def join(self, a, b):
         if self.fail:
@@ -439,19 +436,13 @@ def test_max_length(trained, beam):
     assert [len(t) for t in tokens_of(endless)] == bounds
 
 
-class FirstTokens(torch.nn.Module):
+class FirstTokens(Wrapped):
     """A trained model's next-token scores over its first `v` token ids only (the specials
     among them): a vocabulary smaller than twice the beam."""
 
     def __init__(self, model: torch.nn.Module, v: int) -> None:
-        super().__init__()
-        self.model, self.v = model, v
-
-    def encode(self, src, src_mask):
-        return self.model.encode(src, src_mask)
-
-    def init_state(self, memory):
-        return self.model.init_state(memory)
+        super().__init__(model)
+        self.v = v
 
     def step(self, prev, state):
         out, state = self.model.step(prev, state)
@@ -768,21 +759,15 @@ def test_decode_workers():
     )
 
 
-class FailsOnLongSources(torch.nn.Module):
+class FailsOnLongSources(Wrapped):
     def __init__(self, model: torch.nn.Module, longest: int) -> None:
-        super().__init__()
-        self.model, self.longest = model, longest
+        super().__init__(model)
+        self.longest = longest
 
     def encode(self, src, src_mask):
         if src.size(1) > self.longest:
             raise RuntimeError("a batch failed")
         return self.model.encode(src, src_mask)
-
-    def init_state(self, memory):
-        return self.model.init_state(memory)
-
-    def step(self, prev, state):
-        return self.model.step(prev, state)
 
 
 def test_a_failing_batch_ends_parallel_decoding_with_its_error(transformer):
