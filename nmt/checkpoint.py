@@ -68,18 +68,24 @@ def load(path: Path, mmap: bool = False) -> dict[str, Any]:
     return payload
 
 
-def model_difference(payload: dict[str, Any], other: dict[str, Any]) -> str | None:
-    """What makes two checkpoints hold different models (None: the same one, whose weights
-    can be averaged): the architecture, the vocabulary, or the model, data or tokenizer
-    section of their config (the data and tokenizer say what the token ids mean)."""
+def model_difference(
+    payload: dict[str, Any],
+    other: dict[str, Any],
+    sections: tuple[str, ...] = ("model", "data", "tokenizer"),
+) -> tuple[str, Any, Any] | None:
+    """What makes two checkpoints (or a checkpoint and what a config says of its model) hold
+    different models, as (what, payload's, other's); None: the same one, whose weights can be
+    averaged or trained on. The architecture, the vocabulary (where both say it), or a key
+    of the config's `sections` that both have (a checkpoint of an older nmt may lack new
+    keys; the data and tokenizer say what the token ids mean)."""
     for key in ("arch", "vocab"):
-        if payload.get(key) != other.get(key):
-            return f"{key} {payload.get(key)} against {other.get(key)}"
-    for section in ("model", "data", "tokenizer"):
+        if key in payload and key in other and payload[key] != other[key]:
+            return key, payload[key], other[key]
+    for section in sections:
         a, b = payload["config"].get(section) or {}, other["config"].get(section) or {}
-        for key in a.keys() & b.keys():  # (a checkpoint of an older nmt may lack new keys)
+        for key in sorted(a.keys() & b.keys()):
             if a[key] != b[key]:
-                return f"{section}.{key} {a[key]} against {b[key]}"
+                return f"{section}.{key}", a[key], b[key]
     return None
 
 
@@ -92,7 +98,11 @@ def average(paths: list[Path]) -> dict[str, Any]:
     first = payloads[0]
     for p, other in zip(paths[1:], payloads[1:]):
         if difference := model_difference(other, first):
-            raise NMTError(f"cannot average {p} with {paths[0]}: another model ({difference})")
+            what, theirs, ours = difference
+            raise NMTError(
+                f"cannot average {p} with {paths[0]}: another model ({what} {theirs} against "
+                f"{ours})"
+            )
     avg = {}
     for key, value in first["model"].items():
         if not value.is_floating_point():

@@ -777,9 +777,10 @@ def average(
         if runs.checkpoint("last").is_file():  # the run's own model, not another's
             own = checkpoint.load(runs.checkpoint("last"), mmap=True)
             if difference := checkpoint.model_difference(averaged, own):
+                what, theirs, ours = difference
                 raise NMTError(
-                    f"the checkpoints given are not of {run}'s model ({difference}); average "
-                    "checkpoints of the run itself"
+                    f"the checkpoints given are not of {run}'s model ({what} {theirs} against "
+                    f"{ours}); average checkpoints of the run itself"
                 )
         averaged["run_dir"] = averaged.get("run_dir") or str(RunDir.of_checkpoint(paths[-1]).path)
         averaged["averaged"] = sorted(

@@ -543,21 +543,14 @@ def check_resumable(path: Path, cfg: Config) -> None:
     architecture and model section), with its optimizer state: checked before the run
     directory is written (`resume_from` loads it later)."""
     payload = checkpoint.load(path, mmap=True)
-    saved = payload.get("config", {}).get("model") or {}
-    model = cfg.to_dict()["model"]
-    arch = arch_of(cfg.model)
-    # the keys the checkpoint has (an older one may lack some)
-    differs = [k for k in saved if saved[k] != model.get(k)]
-    if payload.get("arch") != arch or differs:
-        what = (
-            f"its architecture is {payload.get('arch')}, the recipe's {arch}"
-            if payload.get("arch") != arch
-            else f"its model.{differs[0]} is {saved[differs[0]]}, the recipe's "
-            f"{model.get(differs[0])}"
-        )
+    recipe = {"arch": arch_of(cfg.model), "config": cfg.to_dict()}
+    if difference := checkpoint.model_difference(payload, recipe, sections=("model",)):
+        what, theirs, ours = difference
+        what = "architecture" if what == "arch" else what
         raise NMTError(
-            f"cannot resume from {path}: it holds another model than the recipe's ({what}); "
-            "resume a run with the recipe it was trained with"
+            f"cannot resume from {path}: it holds another model than the recipe's (its {what} "
+            f"is {theirs}, the recipe's {ours}); resume a run with the recipe it was trained "
+            "with"
         )
     if payload.get("optimizer") is None:
         raise NMTError(
