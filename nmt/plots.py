@@ -4,14 +4,37 @@ the image's shape), so a report can say what its figures show."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+
+Fn = TypeVar("Fn", bound=Callable[..., Any])
+
+# The largest side of an attention heatmap, in inches (at 120 dpi): a cell is 0.45 x 0.4 in
+# up to ~60 pieces, smaller beyond. Uncapped, a 256-piece source drew a 14,000-pixel-wide
+# image that took 1-3 GB of memory and 6-12 s.
+MAX_INCHES = 30.0
+COLUMN_INCHES, ROW_INCHES = 0.45, 0.4
+
+
+def literal_text(fn: Fn) -> Fn:
+    """Text drawn as given: a `$` in a sentence, a subword or a system's name is not
+    matplotlib's math markup (a sentence such as "says $5 ... was $10" made it raise, and a
+    figure was lost with whatever came after it)."""
+
+    @functools.wraps(fn)
+    def draw(*args, **kwargs):
+        with plt.rc_context({"text.parse_math": False}):
+            return fn(*args, **kwargs)
+
+    return draw  # type: ignore[return-value]
 
 
 def _save(fig, path) -> None:
@@ -21,17 +44,24 @@ def _save(fig, path) -> None:
     fig.savefig(path, dpi=120, format=fmt)
 
 
+@literal_text
 def attention_heatmap(
     weights: np.ndarray, src: list[str], tgt: list[str], path: Path, title: str = "", ax: Any = None
 ) -> dict[str, Any]:
     """weights[T,S]: target rows, source columns, subword labels on both axes. Returns the
-    drawn image's shape and its axis labels."""
+    drawn image's shape and its axis labels. Its own figure (no `ax`) is at most MAX_INCHES
+    a side: the cells and labels of a long sentence shrink."""
     own = ax is None
+    # cells and labels smaller where a side would pass the cap (2 in for the labels' margin)
+    cells = max(COLUMN_INCHES * len(src), ROW_INCHES * len(tgt), 1e-9)
+    scale = min(1.0, (MAX_INCHES - 2) / cells)
+    font = max(2.0, 8 * scale)
     if own:
-        fig, ax = plt.subplots(figsize=(max(4, 0.45 * len(src) + 2), max(3, 0.4 * len(tgt) + 1.5)))
+        width = max(4, scale * COLUMN_INCHES * len(src) + 2)
+        fig, ax = plt.subplots(figsize=(width, max(3, scale * ROW_INCHES * len(tgt) + 1.5)))
     ax.imshow(weights, cmap="Greys", vmin=0.0, vmax=max(float(weights.max()), 1e-6), aspect="auto")
-    ax.set_xticks(range(len(src)), src, rotation=90, fontsize=8)
-    ax.set_yticks(range(len(tgt)), tgt, fontsize=8)
+    ax.set_xticks(range(len(src)), src, rotation=90, fontsize=font)
+    ax.set_yticks(range(len(tgt)), tgt, fontsize=font)
     ax.set_xlabel("source")
     ax.set_ylabel("target")
     if title:
@@ -48,6 +78,7 @@ def attention_heatmap(
     return drawn
 
 
+@literal_text
 def curves(
     series: dict[str, list[tuple[float, float]]],
     xlabel: str,
@@ -74,6 +105,7 @@ def curves(
     return drawn
 
 
+@literal_text
 def band_curves(
     series: dict[str, list[list[tuple[float, float]]]],
     xlabel: str,
@@ -118,6 +150,7 @@ def band_curves(
     return drawn
 
 
+@literal_text
 def grouped_bars(
     groups: list[str],
     values: dict[str, list[float]],
