@@ -1,8 +1,9 @@
 """`nmt compare`: train several recipes on one pipeline, evaluate them identically, report.
 
 Each recipe is a system, trained with `seeds` seeds (train.seed, +1, ...). Every run trains
-into `OUT/runs/NAME-HASH` (HASH of its resolved config, the seed included), so a second
-invocation with the same settings reuses finished runs and resumes interrupted ones; a
+into `OUT/runs/NAME-HASH` (HASH of its resolved data, tokenizer, model and train sections, the
+seed included: not of its decoding settings), so a second invocation with the same training
+settings reuses finished runs and resumes interrupted ones; a
 finished `nmt train` run of the same recipe in its default run directory
 (`runs/<folder>_<recipe>`) is reused too when its data, tokenizer, model and train sections
 are the ones compare would train. All runs decode the same test splits with the same
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import statistics
 import time
@@ -90,16 +92,16 @@ def parse_budget(text: str | None) -> list[str]:
     (`5Mtokens`, `500ktokens`), as overrides that replace the recipes' own budgets."""
     if text is None:
         return []
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmM]?)\s*(min|m|steps?|tokens?)?\s*", text)
-    if not m or (m.group(2) and (m.group(3) or "").rstrip("s") != "token"):
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(?:(min|m)|([kKmM]?)\s*(steps?|tokens?))?\s*", text)
+    if not m or (m.group(3) and not m.group(4).startswith("token")):
         raise NMTError(
-            f"bad --budget {text!r}; give minutes (30 or 30min), steps (2000steps) or target "
-            "tokens (5Mtokens)"
+            f"bad --budget {text!r}; give minutes (30, 30m or 30min), steps (2000steps) or "
+            "target tokens (5Mtokens)"
         )
-    value, scale, unit = float(m.group(1)), m.group(2).lower(), (m.group(3) or "min")
+    value, scale, unit = float(m.group(1)), (m.group(3) or "").lower(), m.group(4) or "min"
     if value <= 0:
         raise NMTError(f"--budget must be > 0 (got {text!r})")
-    if unit in ("min", "m"):
+    if unit == "min":
         key, amount = "max_minutes", value
     else:
         amount = value * {"": 1, "k": 1e3, "m": 1e6}[scale]
@@ -125,14 +127,21 @@ def system_name(recipe: Path) -> str:
     return Path(recipe).stem
 
 
+# what decides the weights a run trains (its decode section does not)
+TRAINED = ("data", "tokenizer", "model", "train")
+
+
 def _run_dir(out: Path, name: str, cfg: Config) -> Path:
-    return out / "runs" / f"{name}-{cfg.digest()}"
+    """out/runs/NAME-DIGEST, the digest of what trains the run's weights: a compare with other
+    decoding settings reuses its runs. A folder an earlier nmt named by the digest of the whole
+    config (decode section included) is reused where it exists."""
+    earlier = out / "runs" / f"{name}-{cfg.digest()}"
+    return earlier if earlier.is_dir() else out / "runs" / f"{name}-{cfg.digest(TRAINED)}"
 
 
 def _trained_sections(cfg: Config) -> dict[str, Any]:
-    """What decides the weights a run trains (its decode section does not)."""
     d = cfg.to_dict()
-    return {k: d[k] for k in ("data", "tokenizer", "model", "train")}
+    return {k: d[k] for k in TRAINED}
 
 
 def _trained_by_nmt_train(recipe: Path, cfg: Config) -> Path | None:
@@ -391,17 +400,17 @@ def compare(
     prepared = prepare(systems[0].cfg)
     splits = [s for s in prepared.summary["splits"] if s not in ("train", "valid")]
     units = systems + (ensembles(systems) if ensemble else [])
+    labels = file_labels(units)
     results = []
     for system in units:
         say(f"evaluating {system.name} on {', '.join(splits)}")
+        label = labels[system.name]
         if system.is_ensemble:
             paths = [r.run_dir for r in system.members]
-            runs = [evaluate_run(paths, system.cfg, out, _label(system.name), splits, device)]
+            runs = [evaluate_run(paths, system.cfg, out, label, splits, device)]
         else:
             runs = [
-                evaluate_run(
-                    [r.run_dir], r.cfg, out, _label(system.name, r, system), splits, device
-                )
+                evaluate_run([r.run_dir], r.cfg, out, _run_label(label, r, system), splits, device)
                 for r in system.runs
             ]
         for r, run in zip(runs, system.runs if not system.is_ensemble else [None]):
@@ -430,16 +439,30 @@ def compare(
         "length_buckets": [f"{lo}-{hi}" if hi < 10_000 else f"{lo}+" for lo, hi in LENGTH_BUCKETS],
         "example_sentence": example,
     }
-    _write_plots(report, systems, out, device, example)
+    _write_plots(report, systems, labels, out, device, example)
     write_atomic(out / "report.json", json.dumps(report, indent=2))
     write_atomic(out / "report.md", _markdown(report, results, prepared, splits))
     return report
 
 
-def _label(name: str, run: Run | None = None, system: System | None = None) -> str:
-    """File-name label of a run's translations."""
-    base = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")
-    return f"{base}.seed{run.seed}" if run is not None and len(system.runs) > 1 else base
+def file_labels(systems: list[System]) -> dict[str, str]:
+    """Each system's label in file names (its translations, its attention figure): its name's
+    letters, digits, '_' and '-', anything else a '-'; numbered where two names give one label
+    ("rnn+attn" and "rnn-attn") or a name gives none ("基线": "system"), so that no system's
+    files are another's. No dot: a run of several seeds adds ".seedN" to it."""
+    labels: dict[str, str] = {}
+    for system in systems:
+        base = re.sub(r"[^A-Za-z0-9_-]+", "-", system.name).strip("-") or "system"
+        label, k = base, 2
+        while label in labels.values():
+            label, k = f"{base}-{k}", k + 1
+        labels[system.name] = label
+    return labels
+
+
+def _run_label(label: str, run: Run, system: System) -> str:
+    """File-name label of one run's translations."""
+    return f"{label}.seed{run.seed}" if len(system.runs) > 1 else label
 
 
 def _minutes(budget: str | None) -> float | None:
@@ -579,7 +602,9 @@ def _pick_example(sources: list[str]) -> str:
     return sources[0]
 
 
-def _write_plots(report: dict, systems: list[System], out: Path, device, example: str) -> None:
+def _write_plots(
+    report: dict, systems: list[System], labels: dict[str, str], out: Path, device, example: str
+) -> None:
     from nmt import plots
 
     rows = [r for r in report["systems"] if r["kind"] == "system"]
@@ -626,7 +651,8 @@ def _write_plots(report: dict, systems: list[System], out: Path, device, example
     figures["bleu_by_length.png"] = plots.grouped_bars(
         report["length_buckets"],
         {
-            r["name"]: [v if v is not None else 0.0 for v in r["test"][split]["bleu_by_length"]]
+            # a bucket without sentences has no bar (its score is None: "–" in report.md)
+            r["name"]: [math.nan if v is None else v for v in r["test"][split]["bleu_by_length"]]
             for r in report["systems"]
         },
         "source length (words)",
@@ -639,7 +665,7 @@ def _write_plots(report: dict, systems: list[System], out: Path, device, example
         att = attention_example(system.runs[0], example, device)
         if att is None:
             continue
-        name = f"attention_{_label(system.name)}.png"
+        name = f"attention_{labels[system.name]}.png"
         figures[name] = plots.attention_heatmap(
             att.weights,
             att.src_pieces,

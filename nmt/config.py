@@ -299,14 +299,17 @@ class Config:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
 
-    def digest(self) -> str:
-        """8 hex digits naming the whole config (`nmt compare` names its run folders by it).
-        Keys added to the config later are left out while they hold the value every run had
-        before them (`LATER_KEYS`): an older run keeps its digest, and its folder is reused."""
+    def digest(self, sections: tuple[str, ...] | None = None) -> str:
+        """8 hex digits naming the config, or only its `sections` (`nmt compare` names its run
+        folders by what trains the weights). Keys added to the config later are left out while
+        they hold the value every run had before them (`LATER_KEYS`): an older run keeps its
+        digest, and its folder is reused."""
         d = self.to_dict()
         for (section, key), before in LATER_KEYS.items():
             if d[section].get(key) == before:
                 del d[section][key]
+        if sections is not None:
+            d = {k: d[k] for k in sections}
         text = yaml.safe_dump(d, sort_keys=False, allow_unicode=True)
         return hashlib.sha256(text.encode()).hexdigest()[:8]
 

@@ -186,6 +186,11 @@ def test_a_second_compare_reuses_every_run(seeded):
             a["test"]["test_2016_flickr"]["bleu"]["mean"]
             == (b["test"]["test_2016_flickr"]["bleu"]["mean"])
         )
+    # other decoding settings train nothing again: a run's folder is named by what trains it
+    third = compare(out, *args, "--bootstrap-samples", "20", "--set", "decode.beam=1")
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert third.stderr.count("reusing finished run") == 4 and "training into" not in third.stderr
+    assert json.loads((out / "report.json").read_text())["decode"]["beam"] == 1
 
 
 def test_one_seed_reuses_nmt_trains_run_and_says_no_variance_was_measured(tmp_path):
@@ -222,7 +227,7 @@ def test_a_minutes_budget_ends_every_run(tmp_path):
 
 
 def test_budgets_in_minutes_steps_and_tokens():
-    assert parse_budget("30") == parse_budget("30min")
+    assert parse_budget("30") == parse_budget("30min") == parse_budget("30m")
     assert [describe_budget(b) for b in ("30", "2000steps", "5Mtokens", "0.5")] == [
         "30 minutes",
         "2,000 steps",
@@ -293,6 +298,50 @@ def test_system_names_stay_unique_and_tasks_must_match(tmp_path):
     with pytest.raises(NMTError, match="different directions or test sets"):
         run_compare([recipe, other], tmp_path / "out")
     assert not (tmp_path / "out").exists()  # refused before anything was trained
+
+
+def test_systems_whose_names_give_one_file_label_keep_their_own_files():
+    from nmt.compare import System, file_labels
+
+    names = ["rnn+attn", "rnn-attn", "基线", "变体", "v1.2", "v1-2"]
+    labels = file_labels([System(n, None, []) for n in names])
+    assert list(labels.values()) == [
+        "rnn-attn",
+        "rnn-attn-2",
+        "system",
+        "system-2",
+        "v1-2",
+        "v1-2-2",
+    ]
+
+
+def test_figures_draw_text_as_given_and_cap_long_heatmaps(tmp_path):
+    """A '$' in a sentence, a piece or a name is not math markup: an unmatched one made
+    matplotlib raise, after every run had trained, and the report was never written. A long
+    sentence's heatmap shrinks its cells to stay within MAX_INCHES a side."""
+    import numpy as np
+    from PIL import Image
+
+    from nmt import plots
+
+    title = "a: A man with a sign that says $5 is 50% off , was $10 ."
+    drawn = plots.attention_heatmap(
+        np.ones((2, 3)), ["$5", "$x$", "$"], ["$10", "</s>"], tmp_path / "a.png", title=title
+    )
+    assert drawn["x_labels"] == ["$5", "$x$", "$"] and drawn["y_labels"] == ["$10", "</s>"]
+    series = {"$5 $x": [(0, 1.0), (1, 2.0)], "b$": [(0, 1.0)]}
+    assert plots.curves(series, "x", "y", tmp_path / "c.png", title) == {"$5 $x": 2, "b$": 1}
+    bands = plots.band_curves({"$a$": [[(0, 1.0)], [(0, 2.0)]]}, "x", "$y", tmp_path / "b.png")
+    assert bands == {"series": {"$a$": 1}, "bands": ["$a$"]}
+    bars = plots.grouped_bars(["1-10", "$"], {"$x": [1.0, math.nan]}, "x", "y", tmp_path / "g.png")
+    assert bars == {"$x": 2}
+    long = plots.attention_heatmap(
+        np.random.rand(120, 257), [f"p{i}" for i in range(257)], ["t"] * 120, tmp_path / "l.png"
+    )
+    assert long["shape"] == [120, 257]
+    cap = plots.MAX_INCHES * 120  # pixels at the figures' 120 dpi
+    assert max(Image.open(tmp_path / "l.png").size) <= cap
+    assert Image.open(tmp_path / "a.png").size == (480, 360)  # short ones as before
 
 
 def test_report_numbers_are_finite(seeded):
