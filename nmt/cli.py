@@ -386,9 +386,11 @@ def translate(
     if not sample and (temperature != 1.0 or top_k != 0 or top_p != 1.0):
         raise NMTError("--temperature, --top-k and --top-p shape sampling: add --sample")
     if output is not None:
-        _check_output(output, input)
-    if attention_plot is not None and engine != "nmt":
-        raise NMTError("--attention-plot reads nmt's own model: drop --engine " + engine)
+        _check_output(output, **{"--input": input})
+    if attention_plot is not None:
+        _check_output(attention_plot, "--attention-plot", **{"--input": input, "--output": output})
+        if engine != "nmt":
+            raise NMTError("--attention-plot reads nmt's own model: drop --engine " + engine)
     dev = _decode_device(device)
     decoder = open_engine(runs, engine, dev, precision, quantization)
     overrides = _decode_overrides(
@@ -466,11 +468,14 @@ def translate(
                 emit(lines, f)
 
 
-def _check_output(path: Path, source: Path | None) -> None:
-    if source is not None and path.resolve() == source.resolve():
-        raise NMTError(f"--output {path} is the --input file; write the translations elsewhere")
+def _check_output(path: Path, option: str = "--output", **files: Path | None) -> None:
+    """Refuses to write `option`'s `path` where it would replace one of the command's other
+    `files` (option name: path; read first, then overwritten) or is a directory."""
+    for other, source in files.items():
+        if source is not None and path.resolve() == source.resolve():
+            raise NMTError(f"{option} {path} is the {other} file; write {option} elsewhere")
     if path.is_dir():
-        raise NMTError(f"--output {path} is a directory; give a file name")
+        raise NMTError(f"{option} {path} is a directory; give a file name")
 
 
 def _attention_plot(decoder, lines: list[str], opts, path: Path) -> None:
@@ -665,7 +670,7 @@ def score(
             "sources and targets must be line-aligned"
         )
     if output is not None:
-        _check_output(output, src)
+        _check_output(output, **{"--src": src, "--tgt": tgt})
     dev = _decode_device(device)
     loaded = load_models(runs, dev)
     d = loaded.config.decode

@@ -22,9 +22,9 @@ from nmt.data.batching import pack
 from nmt.data.tokenizer import Tokenizer
 from nmt.device import autocast
 from nmt.models.base import fixed_weights
-from nmt.search import length_penalty
+from nmt.search import SearchOptions, length_penalty
 from nmt.special import BOS_ID, EOS_ID, PAD_ID
-from nmt.translate import search_options, source_batch, source_mask
+from nmt.translate import source_batch, source_mask
 
 
 @dataclass
@@ -89,7 +89,9 @@ def score_pairs(
     for i in todo:
         costs[i] = max(len(src_ids[i]), len(tgt_ids[i])) + 1
     order = np.array(sorted(todo, key=lambda i: (costs[i], i)))
-    opts = search_options(decode)
+    # what normalises a score; the search's own settings (beam, n-best, patience) do not
+    # apply to given translations, nor do their checks
+    opts = SearchOptions(length_penalty=decode.length_penalty, length_norm=decode.length_norm)
     with contextlib.ExitStack() as scope:
         for model in models:  # fixed weights: packed (or quantized) once for all batches
             model.eval()

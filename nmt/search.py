@@ -234,7 +234,12 @@ def greedy(
         logp = step_log_probs(out)  # [b,V]
         logp = _adjust(logp, tokens, t, limit[alive], opts)
         if opts.sample:  # temperature and top-k/top-p among the tokens the constraints allow
-            allowed = _filter(logp / opts.temperature, opts)
+            if opts.temperature >= 1:
+                scaled = logp / opts.temperature
+            else:  # the best token at 0, the others scaled at most to -3.4e38 (T = 1e-40)
+                scale = min(1 / opts.temperature, torch.finfo(logp.dtype).max)
+                scaled = (logp - logp.amax(-1, keepdim=True)) * scale
+            allowed = _filter(scaled, opts)
             if n_live < alive.numel():  # ended rows kept in the batch draw nothing
                 nxt = torch.full_like(prev, EOS_ID)
                 picked = torch.multinomial(allowed[live].softmax(-1), 1, generator=gen)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -177,7 +178,14 @@ def search_options(
     quota = ends_after(opts)
     for ok, problem in (
         (opts.beam >= 1, f"the beam size must be >= 1 (got {opts.beam})"),
-        (opts.temperature > 0, f"--temperature must be > 0 (got {opts.temperature})"),
+        (
+            0 < opts.temperature < math.inf,
+            f"--temperature must be > 0 and finite (got {opts.temperature})",
+        ),
+        (
+            -(2**63) <= opts.seed < 2**64,
+            f"--seed must be in [-2^63, 2^64), a generator's range (got {opts.seed})",
+        ),
         (0 < opts.top_p <= 1, f"--top-p must be in (0, 1] (got {opts.top_p})"),
         (opts.top_k >= 0, f"--top-k must be >= 0, 0 = no top-k filter (got {opts.top_k})"),
         (

@@ -164,6 +164,32 @@ def test_score_is_minus_the_training_loss(runs, tmp_path):
     assert mixed == pytest.approx(list(np.mean([mine, theirs], axis=0)), abs=1e-4)
     bad = cli("score", runs["a"], "--src", tmp_path / "s.en", "--tgt", REPO / "README.md")
     assert bad.returncode == 2 and "line counts differ" in bad.stderr
+    before = (tmp_path / "s.de").read_bytes()
+    for given in ("s.de", "s.en"):  # the scores never replace the lines they score
+        bad = cli("score", runs["a"], *args, "-o", tmp_path / given)
+        option = "--tgt" if given == "s.de" else "--src"
+        assert bad.returncode == 2 and f"is the {option} file" in bad.stderr, bad.stderr
+    assert (tmp_path / "s.de").read_bytes() == before
+
+
+def test_scores_take_no_search_settings(runs):
+    """Forced decoding scores given translations: a run whose n-best and patience could not
+    go together in a search (beam 5, n-best 5, patience 0.5) is scored as any other (it
+    was refused with "raise --patience", an option nmt score does not have)."""
+    import dataclasses
+
+    from nmt.forced import score_pairs
+
+    loaded = load_model(runs["a"], CPU)
+    split = prepare(loaded.config).split("valid")
+    src, tgt = split.texts("src")[:8], split.texts("tgt")[:8]
+    d = loaded.config.decode
+    odd = dataclasses.replace(d, beam=5, nbest=5, patience=0.5)
+    args = (loaded.tokenizer, src, tgt)
+    plain = score_pairs([loaded.model], *args, d, 4096, CPU, "fp32")
+    scored = score_pairs([loaded.model], *args, odd, 4096, CPU, "fp32")
+    assert [p.normalized for p in scored] == [p.normalized for p in plain]
+    assert all(p.status == "ok" for p in scored)
 
 
 def test_bleu_as_papers_report_it(tmp_path, multi30k_dir):

@@ -543,6 +543,16 @@ def test_sampling_is_reproducible(trained):
     assert first != other
 
 
+def test_sampling_at_a_vanishing_temperature_is_greedy(trained):
+    """logp / 1e-40 was -inf for every token in fp32 (softmax NaN: torch.multinomial
+    raised); the best token is put at 0 first, so the limit is greedy search."""
+    sources = trained.sources[:30]
+    kw = dict(beam=1, max_len_a=0.8, max_len_b=3)
+    g = decode(trained.model, sources, **kw)
+    s = decode(trained.model, sources, sample=True, temperature=1e-40, seed=3, **kw)
+    assert tokens_of(s) == tokens_of(g)
+
+
 @pytest.mark.parametrize("min_len", [1, 5])
 def test_sampling_top_k_1_is_greedy(trained, min_len):
     """top-k=1 keeps only the best token the constraints allow, so it is greedy search."""

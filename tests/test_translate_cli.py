@@ -405,6 +405,8 @@ def test_evaluate_bad_decoding_options(run, args, fragment):
     "args, fragment",
     [
         (("--temperature", "0"), "--temperature must be > 0"),
+        (("--temperature", "inf"), "--temperature must be > 0 and finite (got inf)"),
+        (("--seed", str(2**64)), "--seed must be in [-2^63, 2^64)"),
         (("--top-p", "0"), "--top-p must be in (0, 1]"),
         (("--top-k", "-1"), "--top-k must be >= 0"),
     ],
@@ -557,6 +559,30 @@ def test_translate_never_overwrites_its_input(run, english, tmp_path):
     message = one_line_error(nmt_cli("translate", run, "-i", src, "-o", tmp_path / "." / "in.en"))
     assert "is the --input file" in message
     assert src.read_text(encoding="utf-8") == english[0] + "\n"
+
+
+def test_the_attention_plot_never_replaces_the_input_or_the_translations(run, english, tmp_path):
+    """--attention-plot is checked as --output is: the PNG was saved over the --input file
+    (exit 0), and over --output's path the translations then replaced the plot."""
+    src = tmp_path / "in.en"
+    src.write_text(english[0] + "\n", encoding="utf-8")
+    message = one_line_error(nmt_cli("translate", run, "-i", src, "--attention-plot", src))
+    assert message.endswith(
+        f"--attention-plot {src} is the --input file; write --attention-plot elsewhere"
+    )
+    out = tmp_path / "out.de"
+    message = one_line_error(
+        nmt_cli(
+            "translate", run, "-i", src, "-o", out, "--attention-plot", tmp_path / "." / "out.de"
+        )
+    )
+    assert "is the --output file" in message
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    message = one_line_error(nmt_cli("translate", run, "-i", src, "--attention-plot", folder))
+    assert "--attention-plot" in message and "is a directory" in message
+    assert src.read_text(encoding="utf-8") == english[0] + "\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.en", "plots"]
 
 
 def test_translate_output_paths_that_cannot_be_written(run, english, tmp_path):
