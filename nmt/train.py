@@ -640,14 +640,19 @@ def validate_and_book(
 def validation_says_stop(
     s: Session, trainee: Trainee, progress: TrainProgress, rngs: list[dict]
 ) -> bool:
-    """Validate (rank 0; the others wait), then whether early stopping ends training."""
+    """Validate (rank 0; the others wait), then whether early stopping ends training. Every
+    rank takes the plateau schedule's scale of the learning rate that rank 0's validations
+    set: ranks stepping with other rates would train apart (DDP averages their gradients,
+    never their weights)."""
     t = s.cfg.train
-    stop = 0.0
+    stop = scale = 0.0
     if s.world.is_main:
         validate_and_book(s, trainee, progress, rngs)
         stop = float(t.patience is not None and progress.bad_validations >= t.patience)
+        scale = progress.plateau_scale
     trainee.model.train()
-    return distributed.host_sum([stop], s.world)[0] > 0
+    stop, progress.plateau_scale = distributed.host_sum([stop, scale], s.world)
+    return stop > 0
 
 
 def average_last_saves(

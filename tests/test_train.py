@@ -486,8 +486,20 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path):
     assert checkpoint.load(run_dir / "checkpoints" / "last.pt")["progress"]["step"] == step + 3
 
 
-def test_ddp_two_gloo_processes_match_one_process_accumulating(tmp_path):
-    """2 ranks x 1 batch per step == 1 rank x 2 accumulated batches (same batches, no dropout)."""
+# a plateau schedule whose validations (rank 0's) cut the learning rate: BLEU of a tiny model
+# stays at its first value, so every validation after the first is a bad one
+PLATEAU = [
+    *("--set", "train.schedule=plateau", "--set", "train.plateau_patience=0"),
+    *("--set", "train.valid_every=2", "--set", "train.valid_bleu=true"),
+    *("--set", "train.valid_max_sentences=8", "--set", "train.early_stop_metric=bleu"),
+]
+
+
+@pytest.mark.parametrize("schedule", ["inverse_sqrt", "plateau"])
+def test_ddp_two_gloo_processes_match_one_process_accumulating(tmp_path, schedule):
+    """2 ranks x 1 batch per step == 1 rank x 2 accumulated batches (same batches, no dropout).
+    With a plateau schedule, every rank takes the learning rate rank 0's validations set (the
+    other ranks kept the full rate: their weights drifted from rank 0's, silently)."""
     recipe = str(TINY / "transformer.yaml")
     sets = [
         "--set",
@@ -504,6 +516,7 @@ def test_ddp_two_gloo_processes_match_one_process_accumulating(tmp_path):
         "train.log_every=1",
         "--set",
         "train.valid_bleu=false",
+        *(PLATEAU if schedule == "plateau" else []),
     ]
     # One thread per process in both runs, so each batch's kernels sum in the same order and
     # the runs differ only by where the two batches' gradients are added (all-reduce vs .grad).
@@ -549,6 +562,11 @@ def test_ddp_two_gloo_processes_match_one_process_accumulating(tmp_path):
     assert len(losses("one")) == len(losses("two")) == 8
     for x, y in zip(losses("one"), losses("two")):
         assert x == pytest.approx(y, rel=1e-4)
+    if schedule == "plateau":  # the rate was cut while training
+        for run in ("one", "two"):
+            records = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+            rates = [json.loads(x)["lr"] for x in records if '"train"' in x]
+            assert rates[-1] < max(rates), rates
     # Parameters: bitwise equal. Each rank's gradient is 2x the accumulating run's (loss scaled
     # by world, a power of two), the all-reduce mean halves it, and g1 + g2 == g2 + g1.
     a, b = final_params(tmp_path / "one"), final_params(tmp_path / "two")
