@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import re
 import sys
 from collections.abc import Iterator
 
@@ -19,17 +20,29 @@ from nmt.models.layers import INT8, int8_linears  # INT8: decoding's int8 precis
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast's dtypes
 
 
+DEVICE = re.compile(r"(cpu|mps|cuda)(?::([0-9]+))?")  # ASCII digits (str.isdigit takes "²")
+
+
 def resolve_device(name: str) -> torch.device:
-    """auto (CUDA when available), cpu, cuda, cuda:N or mps."""
+    """auto (CUDA when available), cpu, cuda, cuda:N (one of this machine's GPUs) or mps."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kind, _, index = name.partition(":")
-    if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and index.isdigit())):
+    m = DEVICE.fullmatch(name)
+    if m is None or (m.group(2) is not None and m.group(1) != "cuda"):
         raise NMTError(f"unknown device {name!r}; choose auto, cpu, cuda, cuda:N or mps")
+    kind, index = m.group(1), m.group(2)
     available = {"cpu": True, "cuda": torch.cuda.is_available()}
     if not available.get(kind, torch.backends.mps.is_available()):
         raise NMTError(f"device {name} asked for, but this machine has none; use cpu or auto")
-    return torch.device(name)
+    if index is None:
+        return torch.device(kind)
+    count = torch.cuda.device_count()
+    if int(index) >= count:
+        raise NMTError(
+            f"device {name} asked for, but this machine has {count} GPU(s): cuda:0 to "
+            f"cuda:{count - 1}"
+        )
+    return torch.device(kind, int(index))
 
 
 def cuda_has_bf16(device: torch.device) -> bool:

@@ -285,6 +285,7 @@ class CT2Engine:
         if device.type not in ("cpu", "cuda"):
             raise NMTError(f"CTranslate2 runs on cpu or cuda, not {device.type}; use --device cpu")
         self.device = device.type
+        self.device_index = device.index or 0  # cuda:N: CTranslate2's GPU N (its default: 0)
         supported = sorted(ctranslate2.get_supported_compute_types(self.device))
         if quantization not in supported:
             raise NMTError(
@@ -322,6 +323,7 @@ class CT2Engine:
                 translator = self.ctranslate2.Translator(
                     str(self.model_dir),
                     device=self.device,
+                    device_index=self.device_index,
                     compute_type=self.quantization,
                     inter_threads=workers,
                     intra_threads=threads,

@@ -38,6 +38,22 @@ def test_auto_precision_follows_the_gpus_compute_capability(monkeypatch, capabil
     assert nmt_device.resolve_precision("fp16", CUDA0) == "fp16"  # asked for, given
 
 
+def test_device_names(monkeypatch):
+    """One line for a name torch cannot read ('cpu:', 'cuda:²' were tracebacks) or a GPU the
+    machine does not have (cuda:1 with one GPU failed later, in an assertion)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert nmt_device.resolve_device("cuda:0") == CUDA0
+    assert nmt_device.resolve_device("cuda:00") == CUDA0
+    assert nmt_device.resolve_device("cuda") == torch.device("cuda")
+    assert nmt_device.resolve_device("cpu") == torch.device("cpu")
+    for name in ("cpu:", "cuda:", "cuda:²", "cpu:0", "cuda:-1", "gpu", " cuda"):
+        with pytest.raises(NMTError, match="unknown device"):
+            nmt_device.resolve_device(name)
+    with pytest.raises(NMTError, match=r"has 1 GPU\(s\): cuda:0 to cuda:0"):
+        nmt_device.resolve_device("cuda:1")
+
+
 def test_host_tuning_is_for_the_cpu_only(monkeypatch):
     calls = []
     monkeypatch.setattr(nmt_device, "configure_host", lambda: calls.append("host"))

@@ -32,7 +32,7 @@ from conftest import tiny_run
 from nmt import NMTError, checkpoint
 from nmt.config import DecodeConfig
 from nmt.data.prepare import prepare
-from nmt.engine import NMTEngine, open_engine
+from nmt.engine import CT2Engine, NMTEngine, open_engine
 from nmt.models.layers import Positions
 from nmt.run import RunDir
 from nmt.search import force_decode, length_limits
@@ -288,6 +288,20 @@ def test_ctranslate2_threads_decode_on_their_own_translators(runs, sources):
     assert got[0] == got[1] == alone
     assert used[0] is not used[1]
     assert ct2.translator(1) is ct2.translator(1)
+
+
+def test_ctranslate2_decodes_on_the_gpu_asked_for(runs, monkeypatch):
+    """--engine ctranslate2 --device cuda:1 runs on GPU 1 (it ran on CTranslate2's default,
+    GPU 0). No GPU here: the translator's arguments are recorded."""
+    import ctranslate2
+
+    asked = []
+    monkeypatch.setattr(ctranslate2, "get_supported_compute_types", lambda *a, **k: {"float16"})
+    monkeypatch.setattr(ctranslate2, "Translator", lambda *a, **k: asked.append(k))
+    for device, index in ((torch.device("cuda", 1), 1), (torch.device("cuda"), 0), (CPU, 0)):
+        engine = CT2Engine(runs("pre-sinusoidal-tied"), "float16", device)
+        engine.translator(1)
+        assert (asked[-1]["device"], asked[-1]["device_index"]) == (device.type, index)
 
 
 def test_ctranslate2_honours_the_length_limits_and_constraints(runs, sources):
