@@ -687,7 +687,11 @@ def validate_average(
     prepared = prepare(cfg)
     model = build_model(averaged["arch"], cfg.model, Vocab(**averaged["vocab"])).to(device)
     model.load_state_dict(averaged["model"])
-    precision = resolve_precision(cfg.train.precision, device)
+    # the precision training validated in; fp16 (a GPU's run) computes on CUDA only: fp32
+    precision = cfg.train.precision
+    if precision == "fp16" and device.type != "cuda":
+        precision = "fp32"
+    precision = resolve_precision(precision, device)
     record = validate(model, prepared, prepared.split("valid"), cfg, device, precision)
     last = checkpoint.load(run.checkpoint("last"))
     progress = TrainProgress.from_dict(last["progress"])

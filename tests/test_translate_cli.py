@@ -1321,6 +1321,22 @@ def test_version_and_the_default_run_directory(tmp_path):
     assert (tmp_path / "runs" / "tiny_transformer" / "config.yaml").is_file()
 
 
+def test_average_validates_a_run_trained_in_fp16_on_a_cpu(run, tmp_path):
+    """A run trained in fp16 (on a GPU) is averaged and validated on a CPU in fp32: its
+    validation asked for fp16, which computes on CUDA only, and nmt average said to choose
+    another precision, an option it does not have, after writing averaged.pt."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("translations"))
+    for path in (copy / "checkpoints").glob("*.pt"):  # as a GPU's fp16 run saves them
+        payload = checkpoint.load(path)
+        payload["config"]["train"]["precision"] = "fp16"
+        checkpoint.save(payload, path)
+    config_file = copy / "config.yaml"
+    config_file.write_text(config_file.read_text().replace("precision: fp32", "precision: fp16"))
+    result = ok(nmt_cli("average", copy, "--last", "2", "--device", "cpu"))
+    assert "validation: loss" in result.stderr, result.stderr
+
+
 def test_average_becomes_the_runs_model_when_it_validates_better(run, tmp_path):
     """nmt average validates the average as training validates a checkpoint; when it beats
     the run's best score it becomes best.pt (what `nmt translate RUN` loads), its record in
