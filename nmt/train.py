@@ -283,24 +283,34 @@ class StepMeter:
     """Sums of what the steps measure, kept on the device and read on the host (`read`)."""
 
     def __init__(self, device: torch.device) -> None:
-        self._values = torch.zeros(4, dtype=torch.float64, device=device)
-        self._carry = torch.tensor([False, True, True, False], device=device)
+        self._values = torch.zeros(5, dtype=torch.float64, device=device)
+        self._carry = torch.tensor([False, True, True, False, False], device=device)
         self.grad_norm = float("nan")  # of the last step read
 
     def add(self, r: StepResult) -> None:
-        """loss sum, last grad norm, consecutive bad steps, skipped steps."""
+        """loss sum, last grad norm, consecutive bad steps, skipped steps, and the longest
+        run of consecutive bad steps since the last read."""
         v = self._values
         bad = r.bad.to(v.dtype)
+        run = (v[2] + 1) * bad
         self._values = torch.stack(
-            [v[0] + r.loss, r.grad_norm.to(v.dtype), (v[2] + 1) * bad, v[3] + r.skipped]
+            [
+                v[0] + r.loss,
+                r.grad_norm.to(v.dtype),
+                run,
+                v[3] + r.skipped,
+                torch.maximum(v[4], run),
+            ]
         )
 
     def read(self) -> tuple[float, int, int]:
-        """(loss sum and skipped steps since the last read, consecutive bad steps): one
-        transfer from the device. The consecutive count carries over."""
-        loss, self.grad_norm, bad_run, skipped = self._values.tolist()
+        """(loss sum and skipped steps since the last read, the longest run of consecutive
+        bad steps since then): one transfer from the device. The current run carries over,
+        so a run read in two parts counts whole; one that ended between two reads (on CUDA,
+        read every train.log_every steps) is still seen."""
+        loss, self.grad_norm, _, skipped, longest = self._values.tolist()
         self._values = torch.where(self._carry, self._values, 0.0)
-        return loss, int(skipped), int(bad_run)
+        return loss, int(skipped), int(longest)
 
 
 @dataclass

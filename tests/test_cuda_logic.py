@@ -197,6 +197,13 @@ def test_the_meter_counts_consecutive_bad_and_skipped_steps():
     assert meter.read()[1:] == (0, 3)  # the run of bad steps goes on across reads
     step(1.0, False, False, 0.5)
     assert meter.read() == (1.0, 0, 0) and meter.grad_norm == 0.5
+    # a run of 12 bad steps that ended before the read (CUDA reads every log_every steps):
+    # still counted against train.max_nonfinite (the read once saw only the current run, 0)
+    for _ in range(12):
+        step(float("nan"), True, True)
+    step(1.0, False, False)
+    assert meter.read()[1:] == (12, 12)
+    assert meter.read()[1:] == (0, 0)
 
 
 def test_a_non_finite_gradient_leaves_the_weights_alone():
