@@ -69,6 +69,19 @@ def in_use() -> str:
     return "glibc"
 
 
+def mapped(library: str) -> bool:
+    """Whether `library` (a file, or a soname such as libtcmalloc_minimal.so.4, which names the
+    file libtcmalloc_minimal.so.4.5.9) is in this process' memory map."""
+    name = Path(library).resolve().name if "/" in library else library
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return True  # nothing to tell by
+    return any(
+        line.rsplit("/", 1)[-1].startswith(name) for line in maps.splitlines() if "/" in line
+    )
+
+
 def launched_as_nmt() -> bool:
     """This process is the `nmt` command (its script or `python -m nmt`), not a program that
     calls `nmt.cli.main` among other things: only the command may be run again."""
@@ -81,7 +94,16 @@ def relaunch(command: bool = False) -> None:
     loaded, none is wanted, this is not Linux, or this is neither the `nmt` command nor a
     `command` (a script of nmt's that runs whole, such as a benchmark: it runs on what nmt
     runs on). Returns only when nothing is to be done."""
-    if not sys.platform.startswith("linux") or os.environ.get(DONE):
+    if not sys.platform.startswith("linux"):
+        return
+    if os.environ.get(DONE):  # the relaunched process
+        named = os.environ.get(CHOICE, "")
+        if named and named != "system" and not mapped(named):
+            raise NMTError(
+                f"{CHOICE}={named}: the dynamic loader could not load it (its message is "
+                f"above); name an allocator library it finds, or a .so file, or set "
+                f"{CHOICE}=system for glibc's malloc"
+            )
         return
     if not (command or launched_as_nmt()):
         return

@@ -68,6 +68,22 @@ def test_a_missing_allocator_library_is_refused_in_one_line(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_an_allocator_the_loader_cannot_find_is_refused_in_one_line():
+    """A soname the dynamic loader does not find: the loader says so and goes on without it,
+    so the relaunched command checks its memory map (it ran on glibc's malloc, exit 0)."""
+    done, _ = malloc_of(*NMT, NMT_MALLOC="libnothing-at-all.so.1")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: NMT_MALLOC=libnothing-at-all.so.1: the dynamic loader could")
+
+
+@needs_tcmalloc
+def test_a_named_allocator_the_loader_finds_is_used():
+    done, malloc = malloc_of(*NMT, NMT_MALLOC="libtcmalloc_minimal.so.4")
+    assert done.returncode == 0, done.stderr
+    assert malloc is not None and malloc.startswith("libtcmalloc_minimal.so.4")
+
+
 @needs_tcmalloc
 def test_a_program_that_calls_the_cli_is_not_run_again():
     """Only the `nmt` command itself relaunches: a program calling nmt.cli.main is left as it
