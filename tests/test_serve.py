@@ -1275,6 +1275,15 @@ def test_the_page_translates_and_draws_the_attention(browser, server, english, a
     page.click("#translate")
     page.wait_for_function("document.getElementById('error').textContent.length > 0")
     assert "decode.nbest" in page.inner_text("#error")
+    # ... and nothing of the last answer stays under it (the n-best list did)
+    assert page.inner_text("#output") == "" and page.inner_text("#heatmap") == ""
+
+    # the page sends the box's non-empty lines: a message names the line as the box numbers it
+    page.fill("#nbest", "1")
+    page.fill("#source", "A dog runs .\n\n" + "word " * 300)
+    page.click("#translate")
+    page.wait_for_function("document.getElementById('error').textContent.includes('tokens')")
+    assert page.inner_text("#error").startswith("line 3 has "), page.inner_text("#error")
     page.close()
 
 

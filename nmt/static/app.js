@@ -12,13 +12,20 @@ function el(tag, cls, text) {
 }
 
 async function loadModels() {
-  const ready = await fetch("/ready");
-  if (!ready.ok) {
-    $("status").textContent = (await ready.json()).error + "…";
+  let answer;
+  try {
+    const ready = await fetch("/ready");
+    if (!ready.ok) {
+      $("status").textContent = (await ready.json()).error + "…";
+      setTimeout(loadModels, 1000);
+      return;
+    }
+    answer = await (await fetch("/models")).json();
+  } catch (e) {  // no server yet (restarting): ask again
+    $("status").textContent = "waiting for the server…";
     setTimeout(loadModels, 1000);
     return;
   }
-  const answer = await (await fetch("/models")).json();
   const select = $("model");
   select.replaceChildren();
   for (const m of answer.models) {
@@ -71,10 +78,20 @@ function showResult(answer, model, oneLine) {
   }
 }
 
+// The server numbers the lines it was sent; the page sends the box's non-empty lines only:
+// its messages name the box's line instead ("line 2" of what was sent: line 3 of the box).
+function boxLines(error, numbers) {
+  return error.replace(/\bline (\d+)\b/g, (m, n) => `line ${numbers[n - 1] ?? n}`);
+}
+
 async function translate(event) {
   event.preventDefault();
   $("error").textContent = "";
-  const lines = $("source").value.split("\n").map((s) => s.trim()).filter((s) => s);
+  $("output").replaceChildren();  // nothing of the last request stays beside this one's answer
+  $("heatmap").replaceChildren();
+  const box = $("source").value.split("\n").map((s) => s.trim());
+  const numbers = box.map((s, i) => (s ? i + 1 : 0)).filter((n) => n);
+  const lines = box.filter((s) => s);
   if (!lines.length) {
     $("error").textContent = "Type a sentence first.";
     return;
@@ -100,7 +117,7 @@ async function translate(event) {
     });
     const answer = await response.json();
     if (!response.ok) {
-      $("error").textContent = answer.error;
+      $("error").textContent = boxLines(answer.error, numbers);
       return;
     }
     showResult(answer, model, oneLine);
