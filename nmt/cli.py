@@ -917,6 +917,9 @@ def serve(
     precision: str | None = typer.Option(None, "--precision", help=PRECISION_HELP),
     engine: str = typer.Option("nmt", "--engine", help=ENGINE_HELP),
     quantization: str | None = typer.Option(None, "--quantization", help=QUANTIZATION_HELP),
+    beam: int | None = typer.Option(
+        None, "--beam", help="Default beam size (requests may set theirs, up to 32)."
+    ),
     length_penalty: float | None = typer.Option(
         None, "--length-penalty", help="Default alpha (requests may set theirs)."
     ),
@@ -962,7 +965,7 @@ def serve(
         max_body_bytes=max_body_kb * 1024,
         decode=tuple(
             _decode_overrides(
-                length_penalty=length_penalty, length_norm=length_norm, patience=patience
+                beam=beam, length_penalty=length_penalty, length_norm=length_norm, patience=patience
             )
         ),
     )

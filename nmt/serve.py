@@ -301,21 +301,34 @@ def load_served(
     quantization: str | None = None,
     decode: tuple[str, ...] = (),
     compiled_in_child: bool = False,
+    max_beam: int = ServeSettings.max_beam,
 ) -> ServedModel:
     """Load a model to serve (`nmt.engine.open_engine`): its engine, precision (`precision`
     or its decode.precision; CTranslate2's `quantization`), default decode settings (the
     run's with `decode` overrides on top, checked for the engine now rather than at the first
     request), line limit and whether it has attention. With `compiled_in_child`, the decoding
-    processes will decode it through compiled code (`NMTError` now if they cannot)."""
+    processes will decode it through compiled code (`NMTError` now if they cannot). Its
+    default beam must be within `max_beam`, the largest a request may ask for; a `decode`
+    beam lowers the run's n-best to it, as `nmt translate --beam` does."""
     opened = open_engine([spec.path], engine, device, precision, quantization)
+    overrides = list(decode)
+    beams = [int(o.partition("=")[2]) for o in overrides if o.startswith("decode.beam=")]
+    if beams and not any(o.startswith("decode.nbest=") for o in overrides):
+        overrides.append(f"decode.nbest={min(opened.config.decode.nbest, beams[-1])}")
     served = ServedModel(
         name=spec.name,
         engine=opened,
-        config=config.replace(opened.config, list(decode)),
+        config=config.replace(opened.config, overrides),
         device=device,
         max_tokens=max_source_tokens(opened.config),
         has_attention=has_attention(opened, device),
     )
+    beam = served.config.decode.beam
+    if beam > max_beam:  # every request that does not ask for a beam would be refused
+        raise NMTError(
+            f"model {spec.name} decodes with beam {beam} by default, above the "
+            f"{max_beam} a request may ask for; serve it with --beam {max_beam} or less"
+        )
     try:
         served.options(DecodeRequest(), 1 << 30)
     except NMTError as e:
@@ -1369,7 +1382,14 @@ def serve(
     app = create_app(
         lambda: [  # with --compile, checked here and compiled by the decoding processes
             load_served(
-                spec, device, precision, engine, quantization, settings.decode, settings.compile
+                spec,
+                device,
+                precision,
+                engine,
+                quantization,
+                settings.decode,
+                settings.compile,
+                settings.max_beam,
             )
             for spec in specs
         ],
