@@ -644,7 +644,11 @@ def score(
     output: Path | None = typer.Option(None, "--output", "-o", help="Default: stdout."),
     fmt: str = typer.Option("tsv", "--format", help="tsv or jsonl."),
     batch_tokens: int | None = typer.Option(None, "--batch-tokens", help="Tokens per batch."),
-    max_len: int = typer.Option(1024, "--max-len", help="Longer lines (tokens) are not scored."),
+    max_len: int = typer.Option(
+        1024,
+        "--max-len",
+        help="Lines of more tokens than this, the end-of-sentence token counted, are not scored.",
+    ),
     precision: str | None = typer.Option(None, "--precision", help=PRECISION_HELP),
     device: str = typer.Option("auto", "--device"),
 ) -> None:
