@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nmt import NMTError
+
 
 @dataclass(frozen=True)
 class World:
@@ -44,6 +46,13 @@ def rank_device(device: torch.device, world: World) -> torch.device:
     """The device of this rank: its own GPU (LOCAL_RANK) when training on CUDA with several
     processes, else `device`."""
     if device.type == "cuda" and world.size > 1:
+        count = torch.cuda.device_count()
+        if world.local_rank >= count:
+            raise NMTError(
+                f"rank {world.rank} is process {world.local_rank} of its machine (LOCAL_RANK), "
+                f"which has {count} GPU(s); start at most {count} processes a machine "
+                f"(torchrun --nproc_per_node {count})"
+            )
         return torch.device("cuda", world.local_rank)
     return device
 

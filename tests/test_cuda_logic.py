@@ -54,6 +54,17 @@ def test_device_names(monkeypatch):
         nmt_device.resolve_device("cuda:1")
 
 
+def test_each_rank_takes_a_gpu_of_its_machine(monkeypatch):
+    """LOCAL_RANK picks the rank's GPU; one past the machine's GPUs is one line (it was a
+    traceback from torch.cuda.set_device)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cuda = torch.device("cuda")
+    assert distributed.rank_device(cuda, World(3, 4, 1)) == torch.device("cuda", 1)
+    assert distributed.rank_device(cuda, World(0, 1, 0)) == cuda  # one process: as asked
+    with pytest.raises(NMTError, match=r"which has 2 GPU\(s\); start at most 2 processes"):
+        distributed.rank_device(cuda, World(2, 3, 2))
+
+
 def test_host_tuning_is_for_the_cpu_only(monkeypatch):
     calls = []
     monkeypatch.setattr(nmt_device, "configure_host", lambda: calls.append("host"))
