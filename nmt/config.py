@@ -30,7 +30,24 @@ MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/t
 
 class _Loader(yaml.SafeLoader):
     """YAML with YAML 1.2 booleans: only true/false; `no`, `yes`, `on`, `off` stay strings
-    (`no` is the language code of Norwegian)."""
+    (`no` is the language code of Norwegian). A key given twice in one mapping is an error
+    (PyYAML keeps the last: a second `train:` section dropped the first one's keys)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                again = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: PyYAML says what is wrong with it
+                continue
+            if again:
+                raise yaml.YAMLError(
+                    f"key {key!r} is given twice (again at line {key_node.start_mark.line + 1}); "
+                    "give each key once"
+                )
+        return super().construct_mapping(node, deep)
 
 
 _Loader.yaml_implicit_resolvers = {
@@ -104,6 +121,11 @@ class TokenizerConfig:
 
     def __post_init__(self) -> None:
         _check(self.vocab_size >= 16, "tokenizer.vocab_size", "must be >= 16")
+        _check(
+            self.input_sentence_size == 0 or self.input_sentence_size > 100,
+            "tokenizer.input_sentence_size",
+            "must be > 100 (sentences sampled to train the tokenizer), or 0 for all of them",
+        )
         _check(
             0.9 <= self.character_coverage <= 1.0,
             "tokenizer.character_coverage",
@@ -217,6 +239,12 @@ class TrainConfig:
             "(the step checkpoints kept plus last.pt)",
         )
         _check(self.valid_beam >= 1, "train.valid_beam", "must be >= 1")
+        _check(self.seed >= 0, "train.seed", "must be >= 0")
+        _check(
+            self.valid_max_sentences is None or self.valid_max_sentences > 0,
+            "train.valid_max_sentences",
+            "must be a positive integer, or null for the whole validation split",
+        )
         _check(self.max_nonfinite >= 1, "train.max_nonfinite", "must be >= 1")
         _check(self.dist_timeout_minutes > 0, "train.dist_timeout_minutes", "must be > 0")
 
@@ -317,8 +345,17 @@ class Config:
         """Hash of everything that determines the prepared data (data + tokenizer sections)."""
         d = self.to_dict()
         payload = {"data": dict(d["data"]), "tokenizer": d["tokenizer"]}
+        data = payload["data"]
         for volatile in ("num_proc", "cache_dir", "local_dir", "download_url"):
-            payload["data"].pop(volatile)
+            data.pop(volatile)
+        # settings this source does not read, or that say what it reads anyway: as unset
+        if data["source"] not in ("tsv", "jsonl", "hub"):
+            data["src_field"] = data["tgt_field"] = None
+        for side in ("src", "tgt"):
+            if data[f"{side}_field"] == data[side]:
+                data[f"{side}_field"] = None
+        if data["source"] != "hub":
+            data["hub_name"] = data["hub_config"] = None
         if payload["tokenizer"]["normalization"] == "nmt_nfkc":  # the key from before the option
             del payload["tokenizer"]["normalization"]
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]

@@ -209,6 +209,13 @@ INVALID_VALUES = [
     ({"decode": {"no_repeat_ngram": -1}}, "decode.no_repeat_ngram"),
     ({"decode": {"min_len": -1}}, "decode.min_len"),
     ({"decode": {"length_penalty": -0.5}}, "decode.length_penalty"),
+    # these were tracebacks (seed -1: numpy's generator; input_sentence_size -5: sentencepiece)
+    # or silent (valid_max_sentences -50: all but the last 50; 0: all)
+    ({"train": {"seed": -1}}, "train.seed"),
+    ({"tokenizer": {"input_sentence_size": -5}}, "tokenizer.input_sentence_size"),
+    ({"tokenizer": {"input_sentence_size": 10}}, "tokenizer.input_sentence_size"),
+    ({"train": {"valid_max_sentences": -50}}, "train.valid_max_sentences"),
+    ({"train": {"valid_max_sentences": 0}}, "train.valid_max_sentences"),
 ]
 
 
@@ -342,6 +349,14 @@ def test_missing_unparsable_and_non_mapping_recipes(tmp_path):
     empty = tmp_path / "empty.yaml"
     empty.write_text("# nothing\n", encoding="utf-8")
     assert load(empty) == Config()
+    twice = tmp_path / "twice.yaml"  # PyYAML keeps the last: the first train section was lost
+    twice.write_text("train:\n  lr: 0.002\n  max_steps: 60\ntrain:\n  max_steps: 5\n")
+    with pytest.raises(ConfigError, match=r"key 'train' is given twice \(again at line 4\)"):
+        load(twice)
+    inner = tmp_path / "inner.yaml"
+    inner.write_text("train:\n  lr: 0.002\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match="key 'lr' is given twice"):
+        load(inner)
 
 
 def test_recipe_file_reads_no_as_a_string_and_exponents_as_numbers(tmp_path):
