@@ -13,8 +13,9 @@ from nmt import NMTError
 
 
 def write_atomic(path: Path, content: str | bytes) -> None:
-    """Write `content` (text as UTF-8) to `path`: temporary file, fsync, rename."""
-    path = Path(path)
+    """Write `content` (text as UTF-8) to `path`: temporary file, fsync, rename. A symbolic
+    link stays one: the file it points to is replaced."""
+    path = _through_link(Path(path))
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     data = content.encode("utf-8") if isinstance(content, str) else content
     try:
@@ -26,6 +27,11 @@ def write_atomic(path: Path, content: str | bytes) -> None:
         sync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _through_link(path: Path) -> Path:
+    """The file a symbolic link points to (what a write through it changes), else `path`."""
+    return path.resolve() if path.is_symlink() else path
 
 
 def sync_dir(directory: Path) -> None:
@@ -47,8 +53,18 @@ def write_lines(path: Path, lines: list[str]) -> None:
 @contextlib.contextmanager
 def replacing(path: Path, what: str = "--output") -> Iterator[TextIO]:
     """A text file to stream into, moved over `path` once the scope ends without an error;
-    on an error (or Ctrl-C) `path` stays as it was. `what` names the path in errors."""
-    path = Path(path)
+    on an error (or Ctrl-C) `path` stays as it was. `what` names the path in errors. A
+    symbolic link stays one (the file it points to is replaced); what is not a file (/dev/null,
+    /dev/stdout, a named pipe) is written to as it is, never replaced by a file."""
+    path = _through_link(Path(path))
+    if path.exists() and not path.is_file():
+        try:
+            f = open(path, "w", encoding="utf-8")  # noqa: SIM115
+        except OSError as e:
+            raise NMTError(f"cannot write {what} {path}: {e.strerror}") from None
+        with f:
+            yield f
+        return
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # two writers: one file each
     try:
         f = open(tmp, "w", encoding="utf-8")  # noqa: SIM115
@@ -57,7 +73,10 @@ def replacing(path: Path, what: str = "--output") -> Iterator[TextIO]:
     try:
         with f:
             yield f
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as e:  # named for the user: the target, not the temporary file
+            raise NMTError(f"cannot write {what} {path}: {e.strerror}") from None
         sync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)

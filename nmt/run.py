@@ -221,8 +221,11 @@ class RunDir:
         self.check_is_dir()
         self.path.mkdir(parents=True, exist_ok=True)
         text = cfg.to_yaml()
+        trained = self.checkpoints_dir.is_dir() and any(self.checkpoints_dir.iterdir())
+        if trained:
+            self._check_same_tokenizer(tokenizer_files)
         if self.config_file.is_file() and self.config_file.read_text(encoding="utf-8") != text:
-            if self.checkpoints_dir.is_dir() and any(self.checkpoints_dir.iterdir()):
+            if trained:
                 old = _flatten(self._stored_config())
                 new = _flatten(cfg.to_dict())
                 changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
@@ -240,6 +243,23 @@ class RunDir:
                 stale.unlink()
         for name, f in models.items():
             write_atomic(self.tokenizer_dir / name, f.read_bytes())
+
+    def _check_same_tokenizer(self, tokenizer_files: list[Path]) -> None:
+        """A trained run's checkpoints read token ids of its tokenizer: refused (`NMTError`)
+        when the data prepared now trained another one (its text changed since, the recipe
+        did not), which would be written over the run's."""
+        from nmt.data.tokenizer import same_vocabulary
+
+        have = {f.name: f for f in self.tokenizer_dir.glob("spm*.model")}
+        given = {f.name: f for f in tokenizer_files}
+        if have and (
+            have.keys() != given.keys() or not all(same_vocabulary(have[n], given[n]) for n in have)
+        ):
+            raise NMTError(
+                f"{self.path} already holds a run trained with another tokenizer: the data "
+                "it was prepared from has changed since, and its checkpoints' token ids mean "
+                "other pieces now; restore that data, or train a new run in another --run-dir"
+            )
 
     def _stored_config(self) -> dict[str, Any]:
         """config.yaml as written; an older nmt's lacks later keys, read as it ran them."""

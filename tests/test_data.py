@@ -280,6 +280,20 @@ def build_hub_parquet(tmp, corpus, m30k, monkeypatch):
     return data, {"train": corpus["train"], "valid": corpus["valid"], "test": corpus["test"]}
 
 
+def with_byte_order_mark(builder):
+    """The files `builder` writes, each beginning with a UTF-8 byte-order mark (as Windows
+    editors save them): text, not data (it became a token of the first line)."""
+
+    def build(tmp, corpus, m30k, monkeypatch):
+        data, expected = builder(tmp, corpus, m30k, monkeypatch)
+        for path in tmp.iterdir():
+            if path.is_file():
+                path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+        return data, expected
+
+    return build
+
+
 BUILDERS = {
     "multi30k-nmt_data_dir": build_multi30k_env,
     "multi30k-local_dir": build_multi30k_local_dir,
@@ -292,6 +306,9 @@ BUILDERS = {
     "jsonl-translation": functools.partial(build_jsonl, nested=True),
     "hub-save_to_disk": build_hub_saved,
     "hub-parquet-dir": build_hub_parquet,
+    "text-bom": with_byte_order_mark(build_text),
+    "tsv-bom": with_byte_order_mark(build_tsv),
+    "jsonl-bom": with_byte_order_mark(build_jsonl),
 }
 
 
@@ -365,6 +382,31 @@ def test_source_specific_errors_name_the_problem(
     assert fragment in str(info.value)
 
 
+def test_every_row_of_a_hub_dataset_is_checked(tmp_path, corpus):
+    """Only each batch's first row was checked: a later row without the target text was a
+    traceback (a KeyError, or an AttributeError where Arrow stored a null)."""
+    rows = [{"en": s, "de": t} for s, t in zip(corpus["train"]["en"], corpus["train"]["de"])]
+    rows[5] = {"en": "only English"}
+    splits = hub_datasets(corpus)
+    splits["train"] = datasets.Dataset.from_list([{"translation": r} for r in rows])
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "saved"))
+    data = {"source": "hub", "hub_name": str(tmp_path / "saved"), "valid": "validation"}
+    with pytest.raises(NMTError, match="split train, row 5: translation has no 'de' text"):
+        prepare(make_cfg({**data, "test": ["test"]}))
+
+
+def test_settings_that_do_not_change_the_data_keep_its_key():
+    """src_field/tgt_field equal to the languages they name, and hub or field settings of a
+    source that does not read them, prepared the same data again under another key."""
+    text = {"source": "text", "train": "t", "valid": "v", "test": []}
+    key = make_cfg(text).data_key()
+    for same in ({"src_field": "en", "tgt_field": "de"}, {"hub_name": "x", "hub_config": "y"}):
+        assert make_cfg({**text, **same}).data_key() == key
+    tsv = {"source": "tsv", "train": "t.tsv", "valid": "v.tsv", "test": []}
+    assert make_cfg({**tsv, "src_field": "en"}).data_key() == make_cfg(tsv).data_key()
+    assert make_cfg({**tsv, "src_field": "english"}).data_key() != make_cfg(tsv).data_key()
+
+
 def test_test_files_of_one_name_each_get_a_split():
     """Test files with the same base name get numbered split names, none taken twice: a test
     set whose name a numbered one took was silently dropped (not prepared, not scored)."""
@@ -402,6 +444,9 @@ def test_pipeline_errors_name_the_problem(tmp_path):
             prepare(make_cfg({**data, "limit_train": 100}, vocab_size=40))
         for fragment in fragments:
             assert fragment in str(info.value)
+    # fewer pieces than the data's characters: "too small" (it said "too large")
+    with pytest.raises(NMTError, match=r"vocab_size=20 is too small for the \d+ characters"):
+        prepare(make_cfg({**text, "test": []}, vocab_size=20))
 
 
 # -- downloader ------------------------------------------------------------------------------

@@ -183,6 +183,64 @@ def test_two_writers_of_one_output_each_write_a_whole_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
 
 
+def test_outputs_write_through_links_and_into_pipes(tmp_path):
+    """A symbolic link given as an output stays a link (the file it names gets the lines; it
+    was replaced by a file, the file left as it was); what is not a file (a named pipe,
+    /dev/null, /dev/stdout) is written to, never replaced by a file (as root, `-o /dev/null`
+    replaced the device)."""
+    import threading
+
+    from nmt.files import replacing, write_atomic
+
+    target = tmp_path / "target.txt"
+    target.write_text("precious\n")
+    link = tmp_path / "link.txt"
+    link.symlink_to(target)
+    with replacing(link) as f:
+        f.write("new\n")
+    assert link.is_symlink() and target.read_text() == "new\n"
+    write_atomic(link, "newer\n")
+    assert link.is_symlink() and target.read_text() == "newer\n"
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    with replacing(fifo) as f:
+        f.write("through the pipe\n")
+    reader.join(timeout=30)
+    assert got == ["through the pipe\n"] and fifo.is_fifo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.txt", "pipe", "target.txt"]
+
+
+def test_a_trained_runs_tokenizer_is_never_replaced(tmp_path, monkeypatch):
+    """The data of a trained run's recipe changed (the recipe did not): nmt prepare trained
+    another tokenizer and wrote it over the run's, whose checkpoints' token ids then meant
+    other pieces (and --resume trained on). Refused; the same data prepared again (another
+    cache: a tokenizer file that differs only in the paths it records) is not."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for lang, text in (("en", "A dog runs in the park ."), ("de", "Ein Hund rennt im Park .")):
+        (data / f"train.{lang}").write_text("".join(f"{text} {i}\n" for i in range(300)))
+    recipe = {
+        "data": {"source": "text", "train": str(data / "train"), "valid": str(data / "train")},
+        "tokenizer": {"vocab_size": 60},
+    }
+    recipe["data"]["test"] = []
+    cfg = config.from_dict(recipe)
+    run = RunDir(tmp_path / "run")
+    run.attach(cfg, prepare(cfg).tokenizer_files)
+    run.checkpoints_dir.mkdir()
+    (run.checkpoints_dir / "last.pt").write_bytes(b"trained")
+    monkeypatch.setenv("NMT_CACHE_DIR", str(tmp_path / "other-cache"))
+    run.attach(cfg, prepare(cfg).tokenizer_files)  # the same pieces: accepted
+    before = (run.tokenizer_dir / "spm.model").read_bytes()
+    (data / "train.en").write_text("".join(f"Two cats sleep on a sofa {i}\n" for i in range(300)))
+    with pytest.raises(NMTError, match="already holds a run trained with another tokenizer"):
+        run.attach(cfg, prepare(cfg).tokenizer_files)
+    assert (run.tokenizer_dir / "spm.model").read_bytes() == before
+
+
 def test_a_sigkilled_training_leaves_no_lock_behind(tmp_path):
     run = tmp_path / "run"
     sets = ["--set", "train.max_steps=400", "--set", "train.save_every=5"]

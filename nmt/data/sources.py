@@ -92,12 +92,15 @@ def _open_binary(path: Path):
 
 
 def read_lines(path: Path) -> Iterator[str]:
-    """Lines of a UTF-8 text file (optionally gzip), split on \\n only, without line ends."""
+    """Lines of a UTF-8 text file (optionally gzip), split on \\n only, without line ends or
+    a byte-order mark."""
     if not path.is_file():
         raise NMTError(f"file not found: {path} (check the path in the recipe's data section)")
     try:
         with _open_binary(path) as f:
             for number, raw in enumerate(f, start=1):
+                if number == 1:  # a byte-order mark is not text (it became a token)
+                    raw = raw.removeprefix(b"\xef\xbb\xbf")
                 try:
                     yield raw.rstrip(b"\r\n").decode("utf-8")
                 except UnicodeDecodeError as e:
@@ -143,7 +146,7 @@ def _tsv_pairs(path: str, src_field: str, tgt_field: str, fingerprint: str) -> I
     header = next(lines, None)
     if header is None:
         return
-    names = header.removeprefix("\ufeff").split("\t")  # a byte-order mark is not a name
+    names = header.split("\t")
     for field_name in (src_field, tgt_field):
         if field_name not in names:
             raise NMTError(
@@ -420,16 +423,29 @@ def _load_hub(
         ) from None
     except (FileNotFoundError, ValueError, ConnectionError, OSError) as e:
         raise NMTError(f"cannot load dataset {name!r} split {split!r}: {first_line(e)}") from None
+    except datasets.exceptions.DatasetGenerationError as e:  # a data file it cannot read
+        why = first_line(e.__cause__ or e)
+        raise NMTError(f"cannot load dataset {name!r} split {split!r}: {why}") from None
     if "translation" not in ds.column_names:
         raise NMTError(
             f"dataset {name} has no 'translation' field (columns: {', '.join(ds.column_names)})"
         )
 
-    def pick(batch: dict) -> dict:
+    def pick(batch: dict, indices: list[int]) -> dict:
         rows = batch["translation"]
-        missing = [f for f in (src_field, tgt_field) if f not in rows[0]] if rows else []
-        if missing:
-            raise NMTError(f"dataset {name}: translation has no language {missing[0]!r}")
+        for row, index in zip(rows, indices):  # every row: a bad one was a traceback
+            if not isinstance(row, dict):
+                raise NMTError(
+                    f"dataset {name} split {split}, row {index}: 'translation' is not a mapping "
+                    "of language codes to texts"
+                )
+            for field_name in (src_field, tgt_field):
+                if not isinstance(row.get(field_name), str):
+                    what = "no" if row.get(field_name) is None else "a non-text"
+                    raise NMTError(
+                        f"dataset {name} split {split}, row {index}: translation has {what} "
+                        f"{field_name!r} text"
+                    )
         return {"src": [r[src_field] for r in rows], "tgt": [r[tgt_field] for r in rows]}
 
     cache.mkdir(parents=True, exist_ok=True)
@@ -437,6 +453,7 @@ def _load_hub(
         return ds.map(
             pick,
             batched=True,
+            with_indices=True,
             remove_columns=ds.column_names,
             features=features(),
             cache_file_name=str(cache / f"hub-{split}.arrow"),

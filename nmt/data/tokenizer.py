@@ -56,6 +56,13 @@ def _train_one(
     except RuntimeError as e:
         message = str(e)
         m = re.search(r"<= (\d+)", message)
+        small = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", message)
+        if small:  # fewer pieces than the characters sentencepiece must keep
+            raise NMTError(
+                f"tokenizer.vocab_size={cfg.vocab_size} is too small for the {small.group(2)} "
+                f"characters this training data needs; raise it with --set "
+                f"tokenizer.vocab_size=N (or lower tokenizer.character_coverage)"
+            ) from None
         if "Vocabulary size" in message or "vocab_size" in message:
             hint = f" (at most {m.group(1)} for this corpus)" if m else ""
             raise NMTError(
@@ -63,6 +70,20 @@ def _train_one(
                 "lower it with --set tokenizer.vocab_size=N"
             ) from None
         raise NMTError(f"sentencepiece training failed: {message.splitlines()[0]}") from None
+
+
+def same_vocabulary(a: Path, b: Path) -> bool:
+    """Whether two sentencepiece models give every id the same piece (and kind): a tokenizer
+    trained again on the same data (its file differs in the paths it records)."""
+
+    def pieces(path: Path) -> list[tuple]:
+        sp = _load(path)
+        return [
+            (sp.id_to_piece(i), sp.is_control(i), sp.is_unknown(i))
+            for i in range(sp.get_piece_size())
+        ]
+
+    return pieces(a) == pieces(b)
 
 
 def train_tokenizer(ds: datasets.Dataset, cfg: TokenizerConfig, out_dir: Path) -> None:
