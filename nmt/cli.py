@@ -422,10 +422,11 @@ def translate(
     )
     decoder.check(opts)
 
-    def emit(lines: list[str], sink) -> None:
+    def emit(lines: list[str], sink, first: int = 0) -> None:
+        """Translations of `lines` into `sink`; n-best ids count from `first`."""
         with helping(decoder, len(lines), opts, d.workers):  # many lines: child processes
             results = decoder.translate(lines, opts, d.batch_tokens, tick, d.workers)
-        for i, nbest_list in enumerate(results):
+        for i, nbest_list in enumerate(results, start=first):
             if d.nbest > 1:
                 for text, hyp in nbest_list:
                     sink.write(f"{i} ||| {text} ||| {hyp.score:.4f}\n")
@@ -437,15 +438,21 @@ def translate(
         sink.flush()
 
     tick = None
-    if input is None and sys.stdin.isatty() and attention_plot is None:
+    if input is None and sys.stdin is None:
+        raise NMTError("standard input is closed: give --input FILE, or pipe the lines in")
+    # typed lines translated one by one to the terminal; with --output, typed lines are read
+    # to the end (Ctrl-D) and written there, as piped ones are
+    if input is None and output is None and sys.stdin.isatty() and attention_plot is None:
         err.print("[dim]interactive: type a sentence and press enter (Ctrl-D to quit)[/]")
+        typed_lines = 0
         for typed in sys.stdin.buffer:  # bytes: a line that is not UTF-8 must not end the session
             try:
                 line = text_lines(typed, "that line") or [""]  # the rules of files and pipes
             except NMTError:
                 err.print("[bold red]error:[/] that line is not UTF-8 text; type it again")
                 continue
-            emit(line, sys.stdout)
+            emit(line, sys.stdout, typed_lines)  # n-best ids: the line's number in the session
+            typed_lines += 1
         return
     if input is not None:
         lines = read_text_lines(input)
@@ -543,7 +550,33 @@ def evaluate(
     """Score translations with sacreBLEU (BLEU, chrF, TER): a run on a split, or files."""
     import json
 
-    from nmt.metrics import literature_bleu, paired_bootstrap, read_text_lines, score
+    from nmt.metrics import (
+        bleu_metric,
+        check_bootstrap_samples,
+        literature_bleu,
+        paired_bootstrap,
+        read_text_lines,
+        score,
+    )
+
+    literature, other = None, None
+
+    def check_scoring(lang: str | None, lines: int) -> None:
+        """What can be refused is refused before a split is decoded (minutes at beam 5) and
+        its translations written: the metrics of the target language `lang`, and a second
+        system's file of as many `lines`."""
+        nonlocal literature, other
+        bleu_metric(lang)
+        if lowercase or tokenize is not None:
+            literature = literature_bleu(lowercase, tokenize, lang)
+        if compare_hyp is not None:
+            check_bootstrap_samples(bootstrap_samples)
+            other = read_text_lines(compare_hyp)
+            if len(other) != lines:
+                raise NMTError(
+                    f"line counts differ: --compare-hyp {compare_hyp} has {len(other)} lines, "
+                    f"the hypotheses {lines}; they must be line-aligned"
+                )
 
     runs = runs or []
     if runs:
@@ -551,6 +584,11 @@ def evaluate(
 
         if hyp is not None:
             raise NMTError("give either a run directory or --hyp, not both")
+        if ref:
+            raise NMTError(
+                "--ref scores --hyp files; a run is scored against its split's own references: "
+                "drop --ref"
+            )
         with _progress_bar() as bar:
             done = translate_split(
                 runs,
@@ -564,6 +602,7 @@ def evaluate(
                 ),
                 engine=engine,
                 quantization=quantization,
+                before=lambda lang, lines: check_scoring(tgt_lang or lang, lines),
             )
         hyps, hyp_path = done.hyps, done.path
         tgt_lang = tgt_lang or done.tgt_lang
@@ -588,16 +627,9 @@ def evaluate(
                     "hypotheses and references must be line-aligned"
                 )
         hyp_path = hyp
-    literature = None
-    if lowercase or tokenize is not None:
-        literature = literature_bleu(lowercase, tokenize, tgt_lang)
+        check_scoring(tgt_lang, len(hyps))
     result = score(hyps, refs_list, tgt_lang, literature)
-    if compare_hyp is not None:
-        other = read_text_lines(compare_hyp)
-        if len(other) != len(hyps):
-            raise NMTError(
-                f"line counts differ: {compare_hyp} has {len(other)} lines, {hyp_path} has {len(hyps)}"
-            )
+    if other is not None:
         base, systems = paired_bootstrap(
             other, {"system": hyps}, refs_list, bootstrap_samples, tgt_lang
         )
@@ -618,13 +650,14 @@ def evaluate(
             table.add_row(label, f"{result[name]['score']:.2f}", result[name]["signature"])
     out.print(table)
     if "bootstrap" in result:
-        bt = Table(title=f"paired bootstrap ({bootstrap_samples} samples) against {compare_hyp}")
+        title = f"paired bootstrap ({bootstrap_samples} samples) against {escape(str(compare_hyp))}"
+        bt = Table(title=title)
         for col in ("system", "BLEU (95% CI)", "chrF (95% CI)", "p (BLEU)", "p (chrF)"):
             bt.add_column(col)
         for name, label in (("system", str(hyp_path)), ("compare", str(compare_hyp))):
             r = result["bootstrap"][name]
             bt.add_row(
-                label,
+                escape(label),  # a file name, not rich markup ("exp[lr=3e-4]/valid.de")
                 f"{r['bleu']['score']:.2f} [{r['bleu']['ci_low']:.2f}, {r['bleu']['ci_high']:.2f}]",
                 f"{r['chrf']['score']:.2f} [{r['chrf']['ci_low']:.2f}, {r['chrf']['ci_high']:.2f}]",
                 "" if r["bleu"]["p_value"] is None else f"{r['bleu']['p_value']:.4f}",

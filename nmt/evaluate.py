@@ -44,12 +44,15 @@ def translate_split(
     overrides: list[str] | None = None,
     engine: str = "nmt",
     quantization: str | None = None,
+    before: Callable[[str, int], None] | None = None,
 ) -> SplitTranslation:
     """Translate prepared split `split` (default: `default_test_split`) with the model of a
     run directory or checkpoint (several: their ensemble, written as SPLIT.ensemble-HASH.LANG
     in the first run), its decode settings (`beam`, and `decode.KEY=VALUE` `overrides`, on
     top), by `engine` (`nmt.engine.open_engine`: nmt in `precision`, or CTranslate2 in
-    `quantization`). `progress(total)` returns the function told each finished batch's size."""
+    `quantization`). `progress(total)` returns the function told each finished batch's size;
+    `before(target language, lines)` is called before anything is decoded or written (checks
+    of what comes after)."""
     decoder = open_engine(runs, engine, device, precision, quantization)
     cfg = decoder.config
     d = config.replace(cfg, overrides).decode if overrides else cfg.decode
@@ -59,6 +62,8 @@ def translate_split(
     name = split or default_test_split(list(prepared.summary["splits"]))
     data = prepared.split(name)
     sources = data.texts("src")  # encoded with the run's own tokenizer, not the cache's
+    if before is not None:
+        before(cfg.data.tgt, len(sources))
     tick = progress(len(sources)) if progress is not None else None
     with helping(decoder, len(sources), opts, d.workers):  # many lines: child processes
         results = decoder.translate(sources, opts, d.batch_tokens, tick, d.workers)

@@ -3,6 +3,7 @@ Without torch: `nmt evaluate --hyp --ref` starts in a fraction of a second."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +12,17 @@ import sacrebleu
 from nmt import NMTError
 
 
+def language(code: str | None) -> str:
+    """The language of a code as sacreBLEU reads it: lowercase, without region or script
+    ("zh-CN", "ZH", "zh_Hans": "zh"; sacreBLEU knows "zh" alone and gave the others 13a)."""
+    return re.split(r"[-_]", (code or "").strip().lower())[0]
+
+
 def bleu_metric(tgt_lang: str | None = None) -> sacrebleu.BLEU:
     """sacreBLEU's BLEU with the tokenizer it prescribes for the target language: 13a, but zh
     for Chinese and MeCab for Japanese and Korean (those two need sacreBLEU's extras)."""
     try:
-        return sacrebleu.BLEU(trg_lang=tgt_lang or "")
+        return sacrebleu.BLEU(trg_lang=language(tgt_lang))
     except RuntimeError:  # sacreBLEU's MeCab tokenizers are optional dependencies
         raise NMTError(
             f"BLEU on {tgt_lang} text needs sacreBLEU's tokenizer for it: "
@@ -32,11 +39,19 @@ def literature_bleu(lowercase: bool, tokenize: str | None, tgt_lang: str | None)
     the one it prescribes for `tgt_lang`). Its signature says both."""
     if tokenize is not None and tokenize not in TOKENIZERS:
         raise NMTError(f"unknown --tokenize {tokenize!r}; choose one of {', '.join(TOKENIZERS)}")
+    lang = language(tgt_lang)
     try:
-        return sacrebleu.BLEU(lowercase=lowercase, tokenize=tokenize, trg_lang=tgt_lang or "")
+        return sacrebleu.BLEU(lowercase=lowercase, tokenize=tokenize, trg_lang=lang)
     except RuntimeError:
+        which = tokenize or {"ja": "ja-mecab", "ko": "ko-mecab"}.get(lang, lang)
         raise NMTError(
-            f"BLEU with tokenize={tokenize} needs sacreBLEU's extras: pip install 'sacrebleu[ja,ko]'"
+            f"BLEU with the {which} tokenizer needs sacreBLEU's extras: "
+            "pip install 'sacrebleu[ja,ko]'"
+        ) from None
+    except OSError as e:  # flores101/200 download their sentencepiece model at first use
+        raise NMTError(
+            f"--tokenize {tokenize} downloads its sentencepiece model at first use and could "
+            f"not ({e}); run it once where the internet is reachable, or choose another"
         ) from None
 
 
@@ -123,9 +138,10 @@ def paired_bootstrap(
 
 def text_lines(data: bytes, name: str) -> list[str]:
     """Lines of UTF-8 text, split at "\\n" only, so as many as `wc -l` counts (plus an
-    unterminated last one); a "\\r" before the "\\n" is dropped."""
+    unterminated last one); a "\\r" before the "\\n" is dropped, and a byte-order mark
+    before the first line (it was scored as part of the first hypothesis or reference)."""
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
         raise NMTError(
@@ -138,7 +154,14 @@ def text_lines(data: bytes, name: str) -> list[str]:
 
 
 def read_text_lines(path: Path) -> list[str]:
-    """Lines of a UTF-8 file (see `text_lines`)."""
-    if not Path(path).is_file():
-        raise NMTError(f"file not found: {path}")
-    return text_lines(Path(path).read_bytes(), str(path))
+    """Lines of a UTF-8 file, or of a pipe (`<(command)`, /dev/stdin); see `text_lines`."""
+    path = Path(path)
+    if path.is_dir():
+        raise NMTError(f"{path} is a directory; give a file")
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise NMTError(f"file not found: {path}") from None
+    except OSError as e:
+        raise NMTError(f"cannot read {path}: {e.strerror}") from None
+    return text_lines(data, str(path))

@@ -388,6 +388,53 @@ def test_evaluate_files_refuse_a_runs_options(files):
         assert f"{option[0]} set(s) how a run translates; with --hyp there is none" in message
 
 
+def test_evaluate_refuses_before_it_decodes(run, files, tmp_path):
+    """A run's split is scored against its own references: --ref was ignored without a
+    word. Scoring options that cannot be honoured were refused only after the split was
+    decoded and its translations written over the last ones; now before."""
+    paths, _ = files
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    kept = copy / "translations" / "valid.de"
+    kept.parent.mkdir(exist_ok=True)
+    kept.write_text("keep\n")
+    base = ("evaluate", copy, "--split", "valid")
+    message = one_line_error(nmt_cli(*base, "--ref", paths["ref"]))
+    assert "--ref scores --hyp files" in message and "drop --ref" in message
+    for option, fragment in (
+        (("--tokenize", "bogus"), "unknown --tokenize 'bogus'"),
+        (("--compare-hyp", paths["hyp"]), "line counts differ: --compare-hyp"),
+        (("--compare-hyp", paths["hyp"], "--bootstrap-samples", "0"), "--bootstrap-samples"),
+    ):
+        assert fragment in one_line_error(nmt_cli(*base, *option))
+        assert kept.read_text() == "keep\n"  # nothing decoded, nothing written
+
+
+def test_evaluate_names_files_as_they_are(files, tmp_path):
+    """File names in the bootstrap table are text, not rich markup ("exp[lr=3e-4]" lost its
+    brackets; a "[/b]" in a name was a MarkupError traceback); --hyp may be a pipe."""
+    paths, lines = files
+    odd = tmp_path / "exp[lr=3e-4]" / "out[/b].de"  # a folder "out[" holding "b].de"
+    odd.parent.mkdir(parents=True)
+    shutil.copy(paths["hyp"], odd)
+    args = ("--ref", paths["ref"], "--compare-hyp", paths["other"], "--bootstrap-samples", "10")
+    table = ok(nmt_cli("evaluate", "--hyp", odd, *args, columns="1000")).stdout
+    assert str(odd) in table
+    piped = nmt_cli(
+        "evaluate",
+        "--hyp",
+        "/dev/stdin",
+        "--ref",
+        paths["ref"],
+        "--json",
+        stdin="\n".join(lines["hyp"]) + "\n",
+    )
+    report = json.loads(ok(piped).stdout)
+    assert report["bleu"]["score"] == pytest.approx(
+        sacrebleu_scores(lines["hyp"], [lines["ref"]])["bleu"]
+    )
+
+
 @pytest.mark.parametrize(
     "args, fragment",
     [
@@ -583,6 +630,58 @@ def test_the_attention_plot_never_replaces_the_input_or_the_translations(run, en
     assert "--attention-plot" in message and "is a directory" in message
     assert src.read_text(encoding="utf-8") == english[0] + "\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.en", "plots"]
+
+
+def typed(run, lines: list[str], *args) -> subprocess.CompletedProcess:
+    """nmt translate with `lines` typed at a terminal (a pseudo-terminal), then Ctrl-D."""
+    import pty
+
+    master, terminal = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nmt", "translate", str(run), *FP32, *map(str, args)],
+        stdin=terminal,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "COLUMNS": "400", "OMP_NUM_THREADS": "1"},
+    )
+    os.close(terminal)
+    try:
+        os.write(master, "".join(line + "\n" for line in lines).encode() + b"\x04")
+        out, err = proc.communicate(timeout=300)
+    finally:
+        os.close(master)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_a_closed_standard_input_is_one_line(run):
+    """`nmt translate RUN <&-` (no standard input at all) was an AttributeError traceback."""
+    closed = subprocess.run(
+        ["sh", "-c", f'exec "{sys.executable}" -m nmt translate "{run}" <&-'],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "400"},
+        timeout=300,
+    )
+    assert "standard input is closed: give --input FILE" in one_line_error(closed)
+
+
+def test_typed_lines_keep_their_numbers_and_go_to_output(run, english, tmp_path):
+    """At a terminal: the n-best ids count the typed lines (every line was 0), and with
+    --output the lines typed up to Ctrl-D are written there (they went to the terminal, and
+    the file was never written)."""
+    lines = english[:2]
+    piped = ok(nmt_cli("translate", run, *FP32, "--nbest", "2", stdin="\n".join(lines) + "\n"))
+    session = ok(typed(run, lines, "--nbest", "2"))
+    assert "interactive" in session.stderr
+    assert out_lines(session.stdout) == out_lines(piped.stdout)
+    assert [line.split(" ||| ")[0] for line in out_lines(session.stdout)] == ["0", "0", "1", "1"]
+    target = tmp_path / "out.de"
+    written = ok(typed(run, lines, "-o", target))
+    assert written.stdout == "" and "interactive" not in written.stderr
+    assert target.read_text(encoding="utf-8") == "".join(
+        line + "\n" for line in translations(run, lines)
+    )
 
 
 def test_translate_output_paths_that_cannot_be_written(run, english, tmp_path):
