@@ -350,8 +350,13 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-# Keys a run may change when it is resumed: budgets, logging cadence, decoding.
+# Keys a run may change when it is resumed: budgets, logging cadence, decoding, and where
+# and how its data is read (the same data: not in the prepared-data key, `Config.data_key`).
 RESUMABLE = (
+    "data.num_proc",
+    "data.cache_dir",
+    "data.local_dir",
+    "data.download_url",
     "train.max_steps",
     "train.max_epochs",
     "train.max_minutes",

@@ -213,6 +213,38 @@ def test_outputs_write_through_links_and_into_pipes(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.txt", "pipe", "target.txt"]
 
 
+def test_a_trained_run_takes_only_settings_that_keep_it_the_same_run(tmp_path):
+    """A trained run's config: budgets, cadence, decoding and where its data is read from may
+    change (a cache moved: data.cache_dir was refused); what trains the model may not."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for lang, text in (("en", "A dog runs in the park ."), ("de", "Ein Hund rennt im Park .")):
+        (data / f"train.{lang}").write_text("".join(f"{text} {i}\n" for i in range(300)))
+    cfg = config.from_dict(
+        {
+            "data": {
+                "source": "text",
+                "train": str(data / "train"),
+                "valid": str(data / "train"),
+                "test": [],
+            },
+            "tokenizer": {"vocab_size": 60},
+        }
+    )
+    run = RunDir(tmp_path / "run")
+    run.attach(cfg, prepare(cfg).tokenizer_files)
+    run.checkpoints_dir.mkdir()
+    (run.checkpoints_dir / "last.pt").write_bytes(b"trained")
+    moved = [f"data.cache_dir={tmp_path / 'moved'}", "data.num_proc=2", "train.max_steps=5000"]
+    moved.append("decode.beam=2")
+    again = config.replace(cfg, moved)
+    run.attach(again, prepare(again).tokenizer_files)
+    assert run.saved_config([]).train.max_steps == 5000
+    other = config.replace(again, ["train.lr=0.1", "model.d_model=64"])
+    with pytest.raises(NMTError, match=r"different config \(model.d_model, train.lr\)"):
+        run.attach(other, prepare(other).tokenizer_files)
+
+
 def test_a_trained_runs_tokenizer_is_never_replaced(tmp_path, monkeypatch):
     """The data of a trained run's recipe changed (the recipe did not): nmt prepare trained
     another tokenizer and wrote it over the run's, whose checkpoints' token ids then meant
