@@ -30,8 +30,10 @@ MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/t
 
 class _Loader(yaml.SafeLoader):
     """YAML with YAML 1.2 booleans: only true/false; `no`, `yes`, `on`, `off` stay strings
-    (`no` is the language code of Norwegian). A key given twice in one mapping is an error
-    (PyYAML keeps the last: a second `train:` section dropped the first one's keys)."""
+    (`no` is the language code of Norwegian). YAML 1.2 integers too: `010` is ten (YAML 1.1
+    read it as octal 8) and `1:30` a string (it read 90, base 60); 0x and 0o prefixes as
+    written. A key given twice in one mapping is an error (PyYAML keeps the last: a second
+    `train:` section dropped the first one's keys)."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -50,13 +52,27 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+_YAML_1_1 = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int")
 _Loader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    first: [(tag, rx) for tag, rx in resolvers if tag not in _YAML_1_1]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(r"^[-+]?(?:0[xX][0-9a-fA-F_]+|0[oO][0-7_]+|[0-9][0-9_]*)$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    return int(text, 0) if re.match(r"[-+]?0[xXoO]", text) else int(text, 10)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _yaml_int)
 
 
 class ConfigError(NMTError):

@@ -285,6 +285,14 @@ def test_override_exponent_and_single_string_for_a_list(recipe):
     assert cfg.data.test == ("only_one",)
 
 
+def test_integers_are_read_as_yaml_1_2_reads_them(recipe):
+    """YAML 1.1 (PyYAML's) read 010 as octal 8 and 1:30 as 90 (base 60), silently."""
+    cfg = load(recipe, ["train.seed=010", "train.max_steps=2_000", "train.log_every=0x10"])
+    assert (cfg.train.seed, cfg.train.max_steps, cfg.train.log_every) == (10, 2000, 16)
+    with pytest.raises(ConfigError, match="train.max_steps"):
+        load(recipe, ["train.max_steps=1:30"])
+
+
 def test_later_override_wins_and_the_input_is_not_mutated():
     raw = {"train": {"lr": 0.5, "max_steps": 3}}
     out = config.apply_overrides(raw, ["train.lr=0.1", "train.lr=0.2"])
