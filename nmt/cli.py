@@ -71,7 +71,7 @@ PATIENCE_HELP = (
 ENGINE_HELP = "nmt (its own search) or ctranslate2 (the run's CTranslate2 export, made once)."
 PRECISION_HELP = (
     "fp32, bf16, fp16 (CUDA), int8 (CPU: int8 linear maps, the rest fp32) or auto "
-    "(bf16 where the device runs it natively, else fp32)."
+    "(bf16 where the device runs it natively; else fp16 on CUDA, fp32 on CPU)."
 )
 COMPILE_HELP = (
     "The decoding processes decode through torch.compile'd code (the transformer on CPU, not "
@@ -796,6 +796,8 @@ def average(
     if last < 0:
         raise NMTError(f"--last must be >= 1 (got {last})")
     runs = RunDir(run)
+    if not runs.path.is_dir():  # it said "keeps 0 step checkpoints"
+        raise NMTError(f"no such run directory: {run}")
     paths = list(checkpoints)
     if last:
         kept = runs.step_checkpoints()

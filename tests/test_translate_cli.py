@@ -1120,6 +1120,9 @@ def test_average_refuses_bad_counts_and_directory_outputs(run, tmp_path):
     message = one_line_error(nmt_cli("average", run, "--last", "2", "--output", tmp_path))
     assert "is a directory" in message
     assert list(tmp_path.iterdir()) == []  # nothing written into it
+    missing = tmp_path / "no-run"
+    message = one_line_error(nmt_cli("average", missing, "--last", "2"))
+    assert message.endswith(f"no such run directory: {missing}")  # not "keeps 0 checkpoints"
 
 
 def main_with_probe(probe: str, *args, stdin: str = "") -> subprocess.CompletedProcess:
