@@ -44,9 +44,11 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def _sigterm_as_ctrl_c(command):
-    """SIGTERM stops a decoding command as Ctrl-C does (between two torch operations), so the
-    output being written is removed; main() then exits 143. Only for commands whose native
-    calls are short: elsewhere SIGTERM keeps its default (training has its own handler)."""
+    """SIGTERM stops a command as Ctrl-C does (between two torch operations), so the output
+    being written is removed (an export's temporary folder, a half-written translations
+    file); main() then exits 143. Only for commands whose native calls are short (decoding,
+    exporting, averaging): elsewhere SIGTERM keeps its default (training has its own
+    handler; a tokenizer's training is one native call of minutes)."""
 
     @functools.wraps(command)
     def run(*args, **kwargs):
@@ -739,6 +741,7 @@ def score(
 
 
 @app.command()
+@_sigterm_as_ctrl_c
 def export(
     run: Path = typer.Argument(..., help="Run directory or checkpoint file (a transformer)."),
     fmt: str = typer.Option(
@@ -772,6 +775,7 @@ def export(
 
 
 @app.command()
+@_sigterm_as_ctrl_c
 def average(
     run: Path = typer.Argument(..., help="Run directory."),
     last: int = typer.Option(0, "--last", help="Average the last K step checkpoints."),

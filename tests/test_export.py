@@ -525,6 +525,30 @@ def test_hf_directory_loads_as_a_marian_model_and_tokenizer(runs, exports, sourc
         assert got == expected
 
 
+def test_hf_generation_keeps_nmts_output_constraints(runs, sources, tmp_path):
+    """decode.min_len, no_repeat_ngram and ban_unk reach the exported generation config:
+    without them generate() could end a translation at once ('' where nmt never gives an
+    empty one), repeat n-grams and write <unk>."""
+    from nmt.special import UNK_ID
+
+    run = copy_run(runs("marian"), tmp_path / "run")
+    for path in (run / "checkpoints").glob("*.pt"):
+        payload = checkpoint.load(path)
+        payload["config"]["decode"].update(min_len=12, no_repeat_ngram=2, ban_unk=True)
+        checkpoint.save(payload, path)
+    out = tmp_path / "hf"
+    export.export_hf(run, out)
+    tokenizer, model = hf_load(out)
+    g = model.generation_config
+    assert (g.min_new_tokens, g.no_repeat_ngram_size) == (12, 2) and UNK_ID in g.suppress_tokens
+    for line in sources[:5]:
+        ids = model.generate(**tokenizer([line], return_tensors="pt"), num_beams=1)[0].tolist()
+        made = [t for t in ids[1:] if t != EOS_ID]  # after the decoder's start, before its end
+        assert len(made) >= 12 and UNK_ID not in made
+        pairs = list(zip(made, made[1:]))
+        assert len(pairs) == len(set(pairs))
+
+
 def test_marian_refusals_name_the_setting_and_the_value_that_allows_it(runs, tmp_path):
     with pytest.raises(NMTError, match=r"model\.norm=pre: .*--set model\.norm=post"):
         export.export_hf(runs("pre-sinusoidal-tied"), tmp_path / "a")
@@ -577,6 +601,36 @@ def test_a_failed_export_leaves_nothing_and_force_replaces_only_on_success(
     export.export_ctranslate2(run, out, force=True)
     assert export.read_stamp(out)["quantization"] == "float32"  # replaced
     assert leftovers(tmp_path) == []
+
+
+def test_an_export_stopped_by_sigterm_leaves_nothing(runs, tmp_path, monkeypatch):
+    """SIGTERM (timeout, kill, a service manager) stops nmt export as Ctrl-C does: its
+    temporary folder, a partial model.bin in it, is removed (SIGTERM killed the process and
+    left it). The signal is sent from inside the export, once the converter has written."""
+    import signal
+
+    from nmt import cli
+
+    real = export._converter
+
+    def converter_then_sigterm(spec):
+        made = real(spec)
+        convert = made.convert
+
+        def convert_then_signal(*args, **kwargs):
+            convert(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        made.convert = convert_then_signal
+        return made
+
+    monkeypatch.setattr(export, "_converter", converter_then_sigterm)
+    out = tmp_path / "m"
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        cli.export(runs("pre-sinusoidal-tied"), "ctranslate2", out, None, False)
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is before  # the command's handler is gone
 
 
 def test_an_export_killed_midway_is_cleaned_up_by_the_next(runs, tmp_path):
