@@ -120,6 +120,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -683,10 +684,26 @@ def peer_row(system: str, mode, precision, workers, times, subject, steps, out_l
     return row_of(system, "marian", mode, precision, workers, times, n, steps, out_len, host)
 
 
+def default_process_env() -> dict[str, str]:
+    """This process' environment without nmt's allocator: glibc's malloc, as a user of HF or
+    CTranslate2 runs them (the child inherited TCMalloc's LD_PRELOAD and ran on it)."""
+    from nmt import allocator
+
+    env = dict(os.environ)
+    preloaded = env.pop(allocator.DONE, None)
+    kept = [lib for lib in env.get("LD_PRELOAD", "").split(":") if lib and lib != preloaded]
+    if kept:
+        env["LD_PRELOAD"] = ":".join(kept)
+    else:
+        env.pop("LD_PRELOAD", None)
+    env[allocator.CHOICE] = "system"
+    return env
+
+
 def peers_with_default_settings(argv: list[str], args) -> tuple[list[dict], list[str]]:
     """The peers' rows (and notes) from a child process (this script, --peers-only) that
-    leaves the process settings at the libraries' defaults. If it fails, no rows and a note:
-    the rows measured so far are kept."""
+    leaves the process settings at the libraries' defaults, glibc's malloc included. If it
+    fails, no rows and a note: the rows measured so far are kept."""
     with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
         out = Path(tmp) / "peers.json"
         extra = ["--peers-only", "--peer-host", "default", "--json", str(out)]
@@ -694,7 +711,7 @@ def peers_with_default_settings(argv: list[str], args) -> tuple[list[dict], list
         sys.stdout.flush()  # the child writes to the same stdout
         sys.stderr.flush()
         child = [sys.executable, str(Path(__file__).resolve()), *argv, *extra]
-        code = subprocess.run(child).returncode
+        code = subprocess.run(child, env=default_process_env()).returncode
         if code != 0 or not out.exists():
             return [], [f"the peers' run with default process settings failed (exit {code})"]
         result = json.loads(out.read_text())

@@ -37,7 +37,7 @@ What is measured
     `nmt.cpu` sets to 8,192 unless given) is printed beside them.
   * When `transformers` is importable: a Hugging Face MarianMTModel of the same size (d_model
     256, 3+3 layers, 4 heads, FFN 1024, ReLU, joint 8k vocabulary, tied embeddings, max 256
-    positions, dropout 0.1, SDPA attention), trained on the SAME batches with the HF convention
+    positions, the recipe's dropout (0.3), SDPA attention), trained on the SAME batches with the HF convention
     (decoder_input_ids = tgt_in, labels = tgt_out with pad -> -100, attention_mask = src_mask),
     same optimizer, clipping and autocast; the ratio ours/HF is printed per precision.
 
