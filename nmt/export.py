@@ -253,9 +253,28 @@ def _stamp(source: Source, fmt: str, quantization: str | None) -> dict[str, Any]
     }
 
 
+def _out_path(out: Path, force: bool) -> Path:
+    """`out` as an absolute path ("." and ".." name the folders they are, so that an export is
+    staged beside them), once `_check_out` says it may be written."""
+    out = Path(os.path.abspath(out))
+    _check_out(out, force)
+    return out
+
+
 def _check_out(out: Path, force: bool) -> None:
     """`out` may be written: absent, or (with `force`) an earlier export, which it replaces;
-    never anything else, such as the run itself or a folder holding it."""
+    never anything else, such as the run itself or a folder holding it. Its nearest existing
+    folder must be a folder this process can write into (checked before the model is loaded:
+    the error named a temporary path, after the whole export)."""
+    for folder in out.parents:
+        if folder.exists():
+            if not folder.is_dir():
+                raise NMTError(
+                    f"--out {out}: {folder} is a file, not a folder; choose another --out"
+                )
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise NMTError(f"--out {out}: cannot write into {folder}; choose another --out")
+            break
     if not (out.exists() or out.is_symlink()):
         return
     if not force:
@@ -407,8 +426,7 @@ def _build_ctranslate2(source: Source, quantization: str, directory: Path) -> No
 def export_ctranslate2(path: Path, out: Path, quantization: str = "float32", force: bool = False):
     """`nmt export RUN --format ctranslate2`: the run's model as a CTranslate2 directory."""
     check_quantization(quantization)
-    out = Path(out)
-    _check_out(out, force)
+    out = _out_path(out, force)
     require("ctranslate2", "--format ctranslate2")
     source = load_source(path)
     with staged(out) as tmp:
@@ -660,8 +678,7 @@ translation to a * |x| + b tokens, where `generate` takes one max_new_tokens.
 def export_hf(path: Path, out: Path, force: bool = False) -> Source:
     """`nmt export RUN --format hf`: the run's model as a Hugging Face `MarianMTModel`
     directory with its tokenizer, for runs Marian can express (`marian_problem`)."""
-    out = Path(out)
-    _check_out(out, force)
+    out = _out_path(out, force)
     require("transformers", "--format hf")
     require("safetensors", "--format hf")
     source = load_source(path)

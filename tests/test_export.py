@@ -684,7 +684,9 @@ def test_the_engine_exports_once_and_again_when_the_checkpoint_changes(runs, sou
 # -- the command line -------------------------------------------------------------------------
 
 
-def nmt_cli(*args, stdin: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
+def nmt_cli(
+    *args, stdin: str = "", env: dict | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "nmt", *map(str, args)],
         input=stdin,
@@ -692,6 +694,7 @@ def nmt_cli(*args, stdin: str = "", env: dict | None = None) -> subprocess.Compl
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "400", **(env or {})},
         timeout=600,
+        cwd=cwd,
     )
 
 
@@ -777,9 +780,19 @@ def test_cli_refusals_are_one_line(runs, tmp_path):
         args = ("export", copy, "--format", "ctranslate2", "--out", out, "--force")
         assert "is not an nmt export" in one_line_error(nmt_cli(*args))
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
+    # an --out under a file: said before the export, not as "File exists" after it
+    under = copy / "config.yaml" / "x"
+    line = one_line_error(nmt_cli("export", pre, "--format", "ctranslate2", "--out", under))
+    assert f"{copy / 'config.yaml'} is a file, not a folder" in line
+    # "--out ." in an earlier export replaces it (it staged inside it, then failed: "busy")
+    made = tmp_path / "made"
+    export.export_ctranslate2(pre, made)
+    args = ("export", pre, "--format", "ctranslate2", "--out", ".", "--force")
+    assert nmt_cli(*args, cwd=made).returncode == 0 and export.read_stamp(made) is not None
     with pytest.raises(NMTError, match="int8_float32"):
         export.export_ctranslate2(pre, tmp_path / "q", "int3")
     stdin = "A dog.\n"
+    open_engine([pre], "ctranslate2", CPU)  # exported once (its log line is not the error)
     line = one_line_error(
         nmt_cli("translate", pre, "--engine", "ctranslate2", "--beam", "3", stdin=stdin)
     )
