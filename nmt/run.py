@@ -222,8 +222,6 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         text = cfg.to_yaml()
         trained = self.checkpoints_dir.is_dir() and any(self.checkpoints_dir.iterdir())
-        if trained:
-            self._check_same_tokenizer(tokenizer_files)
         if self.config_file.is_file() and self.config_file.read_text(encoding="utf-8") != text:
             if trained:
                 old = _flatten(self._stored_config())
@@ -235,6 +233,8 @@ class RunDir:
                         f"{self.path} already holds a run trained with a different config "
                         f"({', '.join(fixed)}); choose another --run-dir or delete that directory"
                     )
+        if trained:  # the same config: is it still the same data?
+            self._check_same_tokenizer(tokenizer_files)
         write_atomic(self.config_file, text)
         self.tokenizer_dir.mkdir(exist_ok=True)
         models = {f.name: f for f in tokenizer_files}

@@ -243,6 +243,9 @@ def test_a_trained_run_takes_only_settings_that_keep_it_the_same_run(tmp_path):
     other = config.replace(again, ["train.lr=0.1", "model.d_model=64"])
     with pytest.raises(NMTError, match=r"different config \(model.d_model, train.lr\)"):
         run.attach(other, prepare(other).tokenizer_files)
+    vocabulary = config.replace(again, ["tokenizer.vocab_size=50"])  # said, not "data changed"
+    with pytest.raises(NMTError, match=r"different config \(tokenizer.vocab_size\)"):
+        run.attach(vocabulary, prepare(vocabulary).tokenizer_files)
 
 
 def test_a_trained_runs_tokenizer_is_never_replaced(tmp_path, monkeypatch):
