@@ -62,6 +62,11 @@ class TrainProgress:
     best_step: int = 0
     bad_validations: int = 0
     skipped_steps: int = 0
+    # where the log window and the run of non-finite steps stand at this save, so that a
+    # resumed run logs and stops as the uninterrupted one does
+    log_loss: float = 0.0  # loss summed since the last train record
+    log_loss_tokens: int = 0  # ... over this many target tokens
+    nonfinite_run: int = 0  # consecutive non-finite steps up to this one
     finished: str = ""  # why a completed run ended (budget, early stopping); empty otherwise
     history: list[dict[str, Any]] = field(default_factory=list)
 
@@ -88,9 +93,9 @@ def spent_budget(progress: TrainProgress, t: TrainConfig, out_of_time: bool | No
         return f"reached train.max_tokens={t.max_tokens}"
     if out_of_time:
         return f"reached train.max_minutes={t.max_minutes}"
-    stopped = progress.finished.startswith("early stopping")
-    if stopped and t.patience is not None and progress.bad_validations >= t.patience:
-        return progress.finished
+    # patience spent, whatever else ended the run then (a budget, a signal at that step)
+    if t.patience is not None and progress.bad_validations >= t.patience:
+        return f"early stopping: no improvement in {t.patience} validations"
     return ""
 
 

@@ -282,10 +282,13 @@ def train_step(
 class StepMeter:
     """Sums of what the steps measure, kept on the device and read on the host (`read`)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, bad_run: int = 0) -> None:
+        """`bad_run`: the consecutive non-finite steps a resumed run had reached."""
         self._values = torch.zeros(5, dtype=torch.float64, device=device)
+        self._values[2] = bad_run
         self._carry = torch.tensor([False, True, True, False, False], device=device)
         self.grad_norm = float("nan")  # of the last step read
+        self.bad_run = bad_run  # the current run of bad steps, as of the last read
 
     def add(self, r: StepResult) -> None:
         """loss sum, last grad norm, consecutive bad steps, skipped steps, and the longest
@@ -308,17 +311,21 @@ class StepMeter:
         bad steps since then): one transfer from the device. The current run carries over,
         so a run read in two parts counts whole; one that ended between two reads (on CUDA,
         read every train.log_every steps) is still seen."""
-        loss, self.grad_norm, _, skipped, longest = self._values.tolist()
+        loss, self.grad_norm, current, skipped, longest = self._values.tolist()
         self._values = torch.where(self._carry, self._values, 0.0)
+        self.bad_run = int(current)
         return loss, int(skipped), int(longest)
 
 
 @dataclass
 class LogWindow:
-    """Target tokens and loss since the last log record, and when that window opened."""
+    """The loss and its target tokens since the last log record; and for the training rate,
+    target tokens and step time since the last record, validation or save, and when that
+    stretch began."""
 
-    tokens: int = 0
     loss: float = 0.0
+    loss_tokens: int = 0
+    tokens: int = 0
     step_seconds: float = 0.0  # in train_step (CPU: the compute; CUDA: queueing it)
     opened: float = 0.0
 
@@ -326,7 +333,10 @@ class LogWindow:
         self.reset()
 
     def reset(self) -> None:
-        self.tokens, self.loss, self.step_seconds = 0, 0.0, 0.0
+        """A new stretch of the training rate (after a validation or a save); the loss is
+        averaged over the steps since the last record all the same (a resumed run's first
+        record, after the save it resumed from, is the uninterrupted run's)."""
+        self.tokens, self.step_seconds = 0, 0.0
         self.opened = time.perf_counter()
 
     def record(self, progress: TrainProgress, lr: float, grad_norm: float) -> dict[str, Any]:
@@ -336,7 +346,7 @@ class LogWindow:
             "kind": "train",
             "step": progress.step,
             "epoch": progress.epoch,
-            "loss": self.loss / max(self.tokens, 1),
+            "loss": self.loss / max(self.loss_tokens, 1),
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": self.tokens / max(now - self.opened, 1e-9),
@@ -345,7 +355,8 @@ class LogWindow:
             "skipped": progress.skipped_steps,
             "step_seconds": self.step_seconds,
         }
-        self.tokens, self.loss, self.step_seconds, self.opened = 0, 0.0, 0.0, now
+        self.tokens, self.step_seconds, self.opened = 0, 0.0, now
+        self.loss, self.loss_tokens = 0.0, 0
         return record
 
 
@@ -466,16 +477,36 @@ class Checkpointer:
         }
 
     def save(self, kind: str, payload: dict[str, Any], step: int) -> None:
-        """kind: "best", "last", or "step" (last.pt and step-N.pt)."""
+        """kind: "best", "last", or "step" (step-N.pt, then last.pt: a run killed between the
+        two resumes from the save before and writes step-N.pt again). Step checkpoints beyond
+        the newest train.keep_last are removed (also after a resume that lowered it)."""
         if kind == "best":
             checkpoint.save(payload, self.run.checkpoint("best"))
             return
-        checkpoint.save(payload, self.run.checkpoint("last"))
-        keep = self.cfg.train.keep_last
-        if kind == "step" and keep > 0:
+        if kind == "step" and self.cfg.train.keep_last > 0:
             checkpoint.save(payload, self.run.step_checkpoint(step))
-            for old in self.run.step_checkpoints()[:-keep]:
-                old.unlink()
+        checkpoint.save(payload, self.run.checkpoint("last"))
+        self._prune()
+
+    def _prune(self) -> None:
+        keep = self.cfg.train.keep_last
+        kept = self.run.step_checkpoints()
+        for old in kept[:-keep] if keep else kept:
+            old.unlink()
+
+    def resumed(self, progress: TrainProgress) -> None:
+        """A run resumed from a last.pt that stopped at a train.save_every step (a signal, a
+        budget since raised) gets that step's step-N.pt, as the run that went on has it
+        (keep_last and average_last count on it): last.pt's state, not finished."""
+        t = self.cfg.train
+        step = progress.step
+        if t.keep_last > 0 and step > 0 and step % t.save_every == 0:
+            target = self.run.step_checkpoint(step)
+            if not target.exists():
+                payload = checkpoint.load(self.run.checkpoint("last"))
+                payload["progress"] = {**payload["progress"], "finished": ""}
+                checkpoint.save(payload, target)
+        self._prune()
 
     def latest_saves(self, step: int, k: int) -> dict[int, Path]:
         """The newest `k` saves by step: step checkpoints and last.pt (at `step`)."""
@@ -784,9 +815,13 @@ def train_loop(
         progress = resume_from(run, trainee, batches, t, reporter)
     wrap(trainee, t.compile)
     steps_per_epoch = math.ceil(len(batches.epoch(0)) / t.accumulate)
-    total_steps = t.max_steps or (t.max_epochs * steps_per_epoch if t.max_epochs else None)
+    # the last step (cosine decays to it): the first of the step and epoch budgets to end
+    ends = [t.max_steps, t.max_epochs * steps_per_epoch if t.max_epochs else None]
+    total_steps = min((n for n in ends if n), default=None)
     read_every = 1 if device.type == "cpu" else t.log_every  # host reads: free on CPU only
-    meter, window, first_step, bad_run = StepMeter(device), LogWindow(), progress.step, 0
+    bad_run = progress.nonfinite_run  # a resumed run goes on where it stood at its save
+    meter, window, first_step = StepMeter(device, bad_run), LogWindow(), progress.step
+    window.loss, window.loss_tokens = progress.log_loss, progress.log_loss_tokens
     start_time = time.perf_counter() - progress.seconds
     stop_reason = ""
     trainee.model.train()
@@ -813,6 +848,8 @@ def train_loop(
             reporter,
             runlog,
         )
+        if resumed is not None and world.is_main:
+            s.saver.resumed(progress)
         while not stop_reason:
             epoch_steps = batches.steps(progress.epoch, t.accumulate, progress.batch_in_epoch)
             if not epoch_steps:  # a checkpoint saved at the very end of an epoch
@@ -835,6 +872,7 @@ def train_loop(
                 progress.seconds = time.perf_counter() - start_time
                 progress.train_seconds += time.perf_counter() - step_start
                 window.tokens += step_tokens
+                window.loss_tokens += step_tokens
                 # Measure: read the device's sums when due, log.
                 logging_now = progress.step % t.log_every == 0
                 read = logging_now or progress.step % read_every == 0
@@ -858,12 +896,18 @@ def train_loop(
                     bad_run = measure(meter, window, progress)
                 if bad_run >= t.max_nonfinite:
                     stop_reason, due, save_due = non_finite_stop(bad_run), True, True
+                if due or save_due:  # what a save holds for a resumed run (best.pt's too)
+                    progress.log_loss, progress.log_loss_tokens = window.loss, window.loss_tokens
+                    progress.nonfinite_run = meter.bad_run
                 # Validate and checkpoint (RNG states as of the end of this step).
                 rngs = []
                 if due or save_due:
                     rngs = distributed.gather(distributed.rng_state(device), world)
-                if due and validation_says_stop(s, trainee, progress, rngs) and not stop_reason:
-                    stop_reason = f"early stopping: no improvement in {t.patience} validations"
+                # early stopping ends the run even where a signal arrived at that step (the
+                # uninterrupted run ends there: a resumed one must not train on)
+                if due and validation_says_stop(s, trainee, progress, rngs):
+                    if not stop_reason or stop_reason.startswith(INTERRUPTED):
+                        stop_reason = f"early stopping: no improvement in {t.patience} validations"
                     save_due = True
                 if stop_reason.startswith(("reached", "early stopping")):
                     progress.finished = stop_reason

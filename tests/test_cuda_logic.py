@@ -215,6 +215,17 @@ def test_the_meter_counts_consecutive_bad_and_skipped_steps():
     step(1.0, False, False)
     assert meter.read()[1:] == (12, 12)
     assert meter.read()[1:] == (0, 0)
+    # a resumed run's meter goes on from the run it had reached at its save
+    resumed = StepMeter(torch.device("cpu"), bad_run=2)
+    resumed.add(
+        StepResult(
+            torch.tensor(float("nan"), dtype=torch.float64),
+            torch.tensor(1.0),
+            torch.tensor(True),
+            torch.tensor(True),
+        )
+    )
+    assert resumed.read()[2] == 3 and resumed.bad_run == 3
 
 
 def test_a_non_finite_gradient_leaves_the_weights_alone():

@@ -867,3 +867,117 @@ def test_bleu_tokenizer_extras_are_checked_before_any_work(tmp_path):
     )
     assert res.returncode == 2 and "pip install 'sacrebleu[ja]'" in res.stderr
     assert not (tmp_path / "ja").exists()
+
+
+# -- a run interrupted at a step where something else happens too ---------------------------
+
+TIMING = {"minutes", "tokens_per_s", "step_seconds", "seconds", "train_seconds"}
+
+
+def interrupted_at(step: int, monkeypatch):
+    """Have the trainer's own SIGTERM handler stop the run right after optimizer step `step`
+    (the signal arrives before that step's decisions), as `nmt train` receiving SIGTERM."""
+    import nmt.train as trainer
+
+    real = trainer.decide
+
+    def decide(progress, t, signals, world):
+        if progress.step == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(progress, t, signals, world)
+
+    monkeypatch.setattr(trainer, "decide", decide)
+    return lambda: monkeypatch.setattr(trainer, "decide", real)
+
+
+def same_runs(a: Path, b: Path) -> None:
+    """The two run directories hold the same checkpoints (names, weights, optimizer state,
+    progress but for time) and the same metrics but for time."""
+    names = sorted(p.name for p in (a / "checkpoints").iterdir())
+    assert names == sorted(p.name for p in (b / "checkpoints").iterdir())
+    for name in names:
+        x, y = checkpoint.load(a / "checkpoints" / name), checkpoint.load(b / "checkpoints" / name)
+        assert all(torch.equal(x["model"][k], y["model"][k]) for k in x["model"]), name
+
+        def plain(progress: dict) -> dict:
+            out = {k: v for k, v in progress.items() if k not in TIMING | {"history"}}
+            out["history"] = [
+                {k: v for k, v in r.items() if k not in TIMING} for r in progress["history"]
+            ]
+            return out
+
+        assert plain(x["progress"]) == plain(y["progress"]), name
+
+    def records(run: Path) -> list[dict]:
+        return [
+            {k: v for k, v in r.items() if k not in TIMING}
+            for r in read_metrics(run / "metrics.jsonl")
+        ]
+
+    assert records(a) == records(b)
+
+
+@pytest.mark.parametrize(
+    "case, sets, at",
+    [
+        # a save_every step: its step-N.pt was not written, so the averages differed
+        ("save step", ("train.save_every=4", "train.keep_last=2", "train.average_last=3"), 8),
+        # between two log records: the resumed run's first record averaged fewer steps
+        ("log window", ("train.log_every=5", "train.valid_every=100"), 7),
+    ],
+)
+def test_a_run_interrupted_where_it_saves_or_logs_resumes_as_if_never_stopped(
+    case, sets, at, tmp_path, monkeypatch
+):
+    base = ("train.precision=fp32", "train.max_steps=12", "train.valid_every=4")
+    cfg = tiny("transformer", *base, "train.valid_bleu=false", *sets)
+    train_api(cfg, tmp_path / "ref")
+    restore = interrupted_at(at, monkeypatch)
+    cut = train_api(cfg, tmp_path / "cut")
+    restore()
+    assert cut.stop_reason.startswith("interrupted") and cut.progress.step == at
+    train(cfg, tmp_path / "cut", resume=True)
+    same_runs(tmp_path / "ref", tmp_path / "cut")
+
+
+def test_early_stopping_at_a_signal_still_ends_the_run(tmp_path, monkeypatch):
+    """A signal at the step whose validation spends the patience: the run ended as
+    interrupted, and the resumed run trained on past where the uninterrupted one stopped."""
+    sets = ("train.precision=fp32", "train.max_steps=40", "train.valid_every=2", "train.patience=1")
+    cfg = tiny("transformer", *sets, "train.early_stop_metric=loss", "train.lr=1.0")
+    ref = train_api(cfg, tmp_path / "ref")
+    assert ref.stop_reason.startswith("early stopping"), ref.stop_reason
+    restore = interrupted_at(ref.progress.step, monkeypatch)
+    cut = train_api(cfg, tmp_path / "cut")
+    restore()
+    assert cut.stop_reason == ref.stop_reason and cut.progress.finished == ref.progress.finished
+    again = train(cfg, tmp_path / "cut", resume=True)
+    assert again.progress.step == ref.progress.step
+    same_runs(tmp_path / "ref", tmp_path / "cut")
+
+
+def test_cosine_reaches_min_lr_at_the_first_budget_to_end(tmp_path):
+    """With max_epochs and max_steps both given, cosine decayed over max_steps even where the
+    epochs ended first: the run ended at its peak rate."""
+    sets = ("train.precision=fp32", "train.schedule=cosine", "train.min_lr=0", "train.log_every=1")
+    cfg = tiny(
+        "transformer", *sets, "train.max_epochs=1", "train.max_steps=1000", "train.warmup_steps=2"
+    )
+    result = train_api(cfg, tmp_path / "run")
+    assert result.stop_reason == "reached train.max_epochs=1"
+    rates = [
+        r["lr"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"
+    ]
+    assert rates[-1] == pytest.approx(0.0, abs=1e-12) and max(rates) > 1e-4
+
+
+def test_a_lower_keep_last_on_resume_removes_the_older_step_checkpoints(tmp_path):
+    sets = ("train.precision=fp32", "train.save_every=2", "train.valid_every=100")
+    train_api(tiny("transformer", *sets, "train.max_steps=6", "train.keep_last=3"), tmp_path / "r")
+    train(
+        tiny("transformer", *sets, "train.max_steps=8", "train.keep_last=1"),
+        tmp_path / "r",
+        resume=True,
+    )
+    steps = sorted(p.name for p in (tmp_path / "r" / "checkpoints").glob("step-*.pt"))
+    assert steps == ["step-6.pt"]  # the newest kept; step 8 is last.pt (the final save)
