@@ -684,14 +684,22 @@ def score(
         "--max-len",
         help="Lines of more tokens than this, the end-of-sentence token counted, are not scored.",
     ),
+    length_penalty: float | None = typer.Option(
+        None, "--length-penalty", help="Of the normalised score (default: decode.length_penalty)."
+    ),
+    length_norm: str | None = typer.Option(None, "--length-norm", help=LENGTH_NORM_HELP),
     precision: str | None = typer.Option(None, "--precision", help=PRECISION_HELP),
     device: str = typer.Option("auto", "--device"),
 ) -> None:
     """Log-probability of each target line given its source (forced decoding): total, per
-    token and length-normalised, one line per input line. TSV columns: logprob, per_token,
-    normalized, tokens, status (ok, empty, too long; NA values unless ok)."""
+    token and length-normalised (as `nmt translate --scores` with the same --length-penalty
+    and --length-norm), one line per input line. The lines are encoded as text: a
+    translation whose pieces the tokenizer would not make of its text scores as the pieces it
+    makes. TSV columns: logprob, per_token, normalized, tokens, status (ok, empty, too long;
+    NA values unless ok)."""
     import json
 
+    from nmt import config
     from nmt.device import resolve_precision
     from nmt.files import replacing
     from nmt.forced import score_pairs
@@ -712,7 +720,8 @@ def score(
         _check_output(output, **{"--src": src, "--tgt": tgt})
     dev = _decode_device(device)
     loaded = load_models(runs, dev)
-    d = loaded.config.decode
+    overrides = _decode_overrides(length_penalty=length_penalty, length_norm=length_norm)
+    d = config.replace(loaded.config, overrides).decode
     budget = batch_tokens or d.batch_tokens
     if budget < 16:
         raise NMTError(f"--batch-tokens must be >= 16 (got {budget})")

@@ -164,6 +164,22 @@ def test_score_is_minus_the_training_loss(runs, tmp_path):
     assert mixed == pytest.approx(list(np.mean([mine, theirs], axis=0)), abs=1e-4)
     bad = cli("score", runs["a"], "--src", tmp_path / "s.en", "--tgt", REPO / "README.md")
     assert bad.returncode == 2 and "line counts differ" in bad.stderr
+    # normalised as `nmt translate --length-norm plain --length-penalty 0.3` would: |y|^0.3
+    plain = cli(
+        "score",
+        runs["a"],
+        *args,
+        "--format",
+        "jsonl",
+        "--length-norm",
+        "plain",
+        "--length-penalty",
+        "0.3",
+    )
+    assert plain.returncode == 0, plain.stderr
+    for row, mine in zip(map(json.loads, plain.stdout.splitlines()[:n]), rows[:n], strict=True):
+        assert row["logprob"] == pytest.approx(mine["logprob"], rel=1e-6)
+        assert row["normalized"] == pytest.approx(row["logprob"] / row["tokens"] ** 0.3, rel=1e-6)
     before = (tmp_path / "s.de").read_bytes()
     for given in ("s.de", "s.en"):  # the scores never replace the lines they score
         bad = cli("score", runs["a"], *args, "-o", tmp_path / given)
