@@ -68,7 +68,8 @@ LENGTH_NORM_HELP = (
 )
 PATIENCE_HELP = (
     "End a sentence's beam once round(beam x P) hypotheses finished (CTranslate2's rule). "
-    "Default: decode.patience (none: once no open hypothesis can beat the best finished)."
+    "Default: decode.patience (none: once no open hypothesis can beat the worst of the "
+    "beam-size best finished ones)."
 )
 ENGINE_HELP = "nmt (its own search) or ctranslate2 (the run's CTranslate2 export, made once)."
 PRECISION_HELP = (
