@@ -840,16 +840,25 @@ def test_a_thread_whose_child_cannot_start_again_decodes_by_itself(served, engli
     assert "changed after the server (or command) loaded them" in record.getMessage()
 
 
+@contextlib.contextmanager
+def tiny_decoding_process(served):
+    """A decoding process (1 thread) of the served tiny model, its `Load` and the model's
+    search options; closed at the end."""
+    load = Load.of("tiny", served[0].engine)
+    process = DecodeProcess([load], threads=1).start()
+    try:
+        yield process, load, search_options(served[0].config.decode)
+    finally:
+        process.close()
+
+
 def test_a_decoding_process_reports_its_errors(runs, served):
     """The child's errors are raised in the caller with its traceback, and leave its other
     running batches as they were; lines that cannot join a batch leave it as it was (the
     step that brought them raises `JoinError`, and the next one steps the others); a killed
     child fails its batches and is replaced; a model that is not the one the server loaded
     (its checkpoint was saved again meanwhile) stops the child at once with the reason."""
-    load = Load.of("tiny", served[0].engine)
-    opts = search_options(served[0].config.decode)
-    process = DecodeProcess([load], threads=1).start()
-    try:
+    with tiny_decoding_process(served) as (process, load, opts):
         stream = process.stream("tiny", opts)
         stream.add(["A dog runs."], [7])
         sampling = process.stream("tiny", dataclasses.replace(opts, sample=True))
@@ -892,8 +901,6 @@ def test_a_decoding_process_reports_its_errors(runs, served):
         while len(again):
             ended += again.step()
         assert process.started == 2 and [(i, n[0][0]) for i, n in ended] == [(3, nbest[0][0])]
-    finally:
-        process.close()
     assert not process.alive()
     stale = dataclasses.replace(load, fingerprint="another checkpoint")
     with pytest.raises(
@@ -917,10 +924,7 @@ def test_a_silent_decoding_process_is_killed_and_replaced(runs, served, monkeypa
     killed and the next stream starts a new one. A wait for a child's exit that is
     interrupted (a second Ctrl-C while the server exits) still kills the child."""
     monkeypatch.setattr(decode_process, "ANSWER_TIMEOUT_S", 1.0)
-    load = Load.of("tiny", served[0].engine)
-    opts = search_options(served[0].config.decode)
-    process = DecodeProcess([load], threads=1).start()
-    try:
+    with tiny_decoding_process(served) as (process, _, opts):
         stream = process.stream("tiny", opts)
         stream.add(["A dog runs."], [1])
         pid = process.pid
@@ -949,8 +953,6 @@ def test_a_silent_decoding_process_is_killed_and_replaced(runs, served, monkeypa
         with pytest.raises(KeyboardInterrupt):
             process.close(timeout=10)
         assert gone(pid)
-    finally:
-        process.close()
 
 
 # -- a real uvicorn process ------------------------------------------------------------------------
