@@ -410,7 +410,7 @@ def translate(
         ban_unk=ban_unk,
     )
     if beam is not None and nbest is None:
-        overrides.append(f"decode.nbest={min(decoder.config.decode.nbest, beam)}")
+        overrides.append(f"decode.nbest={decoder.config.decode.nbest_within(beam)}")
     if sample:  # one sample per sentence, whatever the recipe's n-best setting
         overrides.append("decode.nbest=1")
     d = config.replace(decoder.config, overrides).decode
@@ -1018,9 +1018,10 @@ def serve(
         max_body_bytes=max_body_kb * 1024,
         decode=tuple(
             _decode_overrides(
-                beam=beam, length_penalty=length_penalty, length_norm=length_norm, patience=patience
+                length_penalty=length_penalty, length_norm=length_norm, patience=patience
             )
         ),
+        beam=beam,
     )
     server.serve(
         server.model_specs(runs),

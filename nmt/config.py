@@ -296,6 +296,11 @@ class DecodeConfig:
     # int8: linear maps on int8 weights, the rest in fp32 (CPU; `nmt.models.layers.int8_linears`)
     precision: Literal["auto", "fp32", "bf16", "fp16", "int8"] = "auto"
 
+    def nbest_within(self, beam: int) -> int:
+        """The n-best this decode section keeps when decoding with another `beam` (`nmt
+        translate --beam`, a served default beam, a request's beam): its own, at most `beam`."""
+        return min(self.nbest, beam)
+
     def __post_init__(self) -> None:
         _check(self.beam >= 1, "decode.beam", "must be >= 1")
         _check(1 <= self.nbest <= self.beam, "decode.nbest", "must be between 1 and decode.beam")

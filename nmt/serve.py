@@ -117,6 +117,7 @@ class ServeSettings:
     max_beam: int = 32  # larger beams make one request cost as much as hundreds
     max_queued: int = 10_000  # sentences waiting at once; beyond: 503, retry later
     decode: tuple[str, ...] = ()  # decode.KEY=VALUE defaults for every model (over the run's)
+    beam: int | None = None  # every model's default beam (`--beam`; its n-best lowered to it)
 
     def __post_init__(self) -> None:
         """Values `nmt serve` cannot run with: `NMTError` naming its option."""
@@ -230,7 +231,7 @@ class ServedModel:
             # at most max_len tokens whatever the source length (the limit counts the EOS)
             values["max_len_a"], values["max_len_b"] = 0.0, values.pop("max_len") + 1
         if asked.beam is not None and asked.nbest is None:  # as nmt translate --beam
-            values["nbest"] = min(self.config.decode.nbest, asked.beam)
+            values["nbest"] = self.config.decode.nbest_within(asked.beam)
         beam = values.get("beam", self.config.decode.beam)
         if beam > max_beam:
             raise NMTError(f"beam {beam} is larger than this server's limit of {max_beam}")
@@ -302,19 +303,20 @@ def load_served(
     decode: tuple[str, ...] = (),
     compiled_in_child: bool = False,
     max_beam: int = ServeSettings.max_beam,
+    beam: int | None = None,
 ) -> ServedModel:
     """Load a model to serve (`nmt.engine.open_engine`): its engine, precision (`precision`
     or its decode.precision; CTranslate2's `quantization`), default decode settings (the
     run's with `decode` overrides on top, checked for the engine now rather than at the first
     request), line limit and whether it has attention. With `compiled_in_child`, the decoding
-    processes will decode it through compiled code (`NMTError` now if they cannot). Its
-    default beam must be within `max_beam`, the largest a request may ask for; a `decode`
-    beam lowers the run's n-best to it, as `nmt translate --beam` does."""
+    processes will decode it through compiled code (`NMTError` now if they cannot). A
+    default `beam` replaces the run's (its n-best lowered to it, as `nmt translate --beam`
+    does); the default must be within `max_beam`, the largest a request may ask for."""
     opened = open_engine([spec.path], engine, device, precision, quantization)
     overrides = list(decode)
-    beams = [int(o.partition("=")[2]) for o in overrides if o.startswith("decode.beam=")]
-    if beams and not any(o.startswith("decode.nbest=") for o in overrides):
-        overrides.append(f"decode.nbest={min(opened.config.decode.nbest, beams[-1])}")
+    if beam is not None:
+        nbest = opened.config.decode.nbest_within(beam)
+        overrides += [f"decode.beam={beam}", f"decode.nbest={nbest}"]
     served = ServedModel(
         name=spec.name,
         engine=opened,
@@ -1390,6 +1392,7 @@ def serve(
                 settings.decode,
                 settings.compile,
                 settings.max_beam,
+                settings.beam,
             )
             for spec in specs
         ],

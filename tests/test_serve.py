@@ -1163,8 +1163,8 @@ def test_a_default_beam_above_the_servers_limit_is_refused_when_loading(runs):
     """Served with a default beam above what a request may ask for, every request that did
     not ask for a beam was refused (422) and nmt serve had no option to lower it: --beam."""
     with pytest.raises(NMTError, match="decodes with beam 40 by default, above the 32 a request"):
-        load_served(ModelSpec("tiny", runs["tiny"]), CPU, "fp32", decode=("decode.beam=40",))
-    served = load_served(ModelSpec("tiny", runs["tiny"]), CPU, "fp32", decode=("decode.beam=2",))
+        load_served(ModelSpec("tiny", runs["tiny"]), CPU, "fp32", beam=40)
+    served = load_served(ModelSpec("tiny", runs["tiny"]), CPU, "fp32", beam=2)
     assert (served.info["beam"], served.info["nbest"]) == (2, 1)
     assert served.options(DecodeRequest(), 32).beam == 2
 
