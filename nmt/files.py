@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
@@ -23,6 +24,7 @@ def write_atomic(path: Path, content: str | bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        _keep_attributes(tmp, path)
         os.replace(tmp, path)
         sync_dir(path.parent)
     finally:
@@ -32,6 +34,18 @@ def write_atomic(path: Path, content: str | bytes) -> None:
 def _through_link(path: Path) -> Path:
     """The file a symbolic link points to (what a write through it changes), else `path`."""
     return path.resolve() if path.is_symlink() else path
+
+
+def _keep_attributes(tmp: Path, path: Path) -> None:
+    """Give the temporary file that replaces `path` the permissions (and, where allowed, the
+    owner) `path` has: a private file stays private; a new file gets the umask's mode."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return
+    os.chmod(tmp, stat.S_IMODE(st.st_mode))
+    with contextlib.suppress(OSError):
+        os.chown(tmp, st.st_uid, st.st_gid)
 
 
 def sync_dir(directory: Path) -> None:
@@ -55,8 +69,14 @@ def replacing(path: Path, what: str = "--output") -> Iterator[TextIO]:
     """A text file to stream into, moved over `path` once the scope ends without an error;
     on an error (or Ctrl-C) `path` stays as it was. `what` names the path in errors. A
     symbolic link stays one (the file it points to is replaced); what is not a file (/dev/null,
-    /dev/stdout, a named pipe) is written to as it is, never replaced by a file."""
+    /dev/stdout, a named pipe) is written to as it is, never replaced by a file. A file we may
+    not write (read-only to us) is refused, as a shell's `>` would, instead of replaced; the
+    file replaced keeps its permissions."""
     path = _through_link(Path(path))
+    if path.is_file() and not os.access(path, os.W_OK):
+        raise NMTError(
+            f"cannot write {what} {path}: it is read-only; make it writable or write elsewhere"
+        )
     if path.exists() and not path.is_file():
         try:
             f = open(path, "w", encoding="utf-8")  # noqa: SIM115
@@ -74,6 +94,7 @@ def replacing(path: Path, what: str = "--output") -> Iterator[TextIO]:
         with f:
             yield f
         try:
+            _keep_attributes(tmp, path)
             os.replace(tmp, path)
         except OSError as e:  # named for the user: the target, not the temporary file
             raise NMTError(f"cannot write {what} {path}: {e.strerror}") from None

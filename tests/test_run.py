@@ -6,8 +6,10 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -211,6 +213,62 @@ def test_outputs_write_through_links_and_into_pipes(tmp_path):
     reader.join(timeout=30)
     assert got == ["through the pipe\n"] and fifo.is_fifo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.txt", "pipe", "target.txt"]
+
+
+def test_a_replaced_output_keeps_its_permissions_and_a_read_only_one_is_left_alone(tmp_path):
+    """A file an output replaces keeps its mode (a private 0600 file became 0644, readable by
+    all); a file read-only to the user is refused in one line, as a shell's `>` refuses it,
+    instead of being replaced by a rename (which only needs the folder to be writable)."""
+    from nmt.files import replacing, write_atomic
+
+    private = tmp_path / "private.txt"
+    private.write_text("old\n")
+    private.chmod(0o600)
+    with replacing(private) as f:
+        f.write("new\n")
+    assert private.read_text() == "new\n" and stat.S_IMODE(private.stat().st_mode) == 0o600
+    private.chmod(0o640)
+    write_atomic(private, "newer\n")
+    assert stat.S_IMODE(private.stat().st_mode) == 0o640
+    fresh = tmp_path / "fresh.txt"
+    with replacing(fresh) as f:
+        f.write("x\n")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o666 & ~umask
+
+    shared = Path(tempfile.mkdtemp())  # pytest's own folders are private to their owner
+    try:
+        shared.chmod(0o777)
+        kept = shared / "kept.txt"
+        kept.write_text("precious\n")
+        kept.chmod(0o444)
+        code = (  # imported as root, then the user nobody (root may write any file)
+            "import os, sys\n"
+            "from nmt import NMTError\n"
+            "from nmt.files import replacing\n"
+            "if os.geteuid() == 0:\n"
+            "    os.setgid(65534); os.setuid(65534)\n"
+            "try:\n"
+            "    with replacing(sys.argv[1]) as f:\n"
+            "        f.write('clobbered\\n')\n"
+            "except NMTError as e:\n"
+            "    print(e)\n"
+        )
+        res = subprocess.run(
+            [sys.executable, "-c", code, str(kept)],
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+            capture_output=True,
+            text=True,
+        )
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.strip() == (
+            f"cannot write --output {kept}: it is read-only; make it writable or write elsewhere"
+        )
+        assert kept.read_text() == "precious\n"
+        assert sorted(p.name for p in shared.iterdir()) == ["kept.txt"]
+    finally:
+        shutil.rmtree(shared)
 
 
 def test_a_trained_run_takes_only_settings_that_keep_it_the_same_run(tmp_path):
