@@ -62,6 +62,7 @@ from nmt.translate import (
     model_facts,
     source_batch,
     source_mask,
+    to_translate,
     translate_lines,
     worker_threads,
 )
@@ -382,9 +383,7 @@ class CT2Engine:
         workers: int = 0,
     ) -> list[list[tuple[str, Hypothesis]]]:
         kwargs = self.options(opts)
-        stripped = [line.strip() for line in lines]
-        todo = [i for i, line in enumerate(stripped) if line]
-        sources = self.tokenizer.encode_src_pieces([stripped[i] for i in todo])
+        todo, sources = to_translate(lines, self.tokenizer.encode_src_pieces)
         limits = length_limits(torch.tensor([len(s) + 1 for s in sources]), opts).tolist()
         for i, (source, limit) in enumerate(zip(sources, limits)):
             if max(len(source) + 1, limit) > self.positions:

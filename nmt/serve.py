@@ -74,6 +74,7 @@ from nmt.translate import (
     attention_of,
     decode_workers,
     search_options,
+    to_translate,
     translate_lines,
     worker_threads,
 )
@@ -1206,8 +1207,8 @@ async def _translate(
     except NMTError as e:
         raise ApiError(422, str(e)) from None
     stripped = [line.strip() for line in lines]
-    todo = [i for i, line in enumerate(stripped) if line]
-    lengths = [len(ids) for ids in served.tokenizer.encode_src([stripped[i] for i in todo])]
+    todo, encoded = to_translate(lines, served.tokenizer.encode_src)
+    lengths = [len(ids) for ids in encoded]
     for i, n in zip(todo, lengths):
         if n > served.max_tokens:
             raise ApiError(

@@ -445,15 +445,26 @@ def translate_lines(
 ) -> list[list[tuple[str, Hypothesis]]]:
     """n-best (text, hypothesis) per input line; empty lines give an empty list. `helpers`:
     see `decode_batches`."""
-    stripped = [line.strip() for line in lines]
-    todo = [i for i, line in enumerate(stripped) if line]
-    ids = tokenizer.encode_src([stripped[i] for i in todo])
+    todo, ids = to_translate(lines, tokenizer.encode_src)
     hyps = decode_ids(model, ids, opts, batch_tokens, device, precision, progress, workers, helpers)
     out: list[list[tuple[str, Hypothesis]]] = [[] for _ in lines]
     for i, nbest in zip(todo, hyps):
         texts = tokenizer.decode_tgt([h.tokens for h in nbest])
         out[i] = list(zip(texts, nbest))
     return out
+
+
+def to_translate(
+    lines: list[str], encode: Callable[[list[str]], list[list]]
+) -> tuple[list[int], list]:
+    """The indices of the lines that hold something to translate, and `encode`'s encodings of
+    them (stripped). A line of spaces, or of characters the tokenizer drops (a zero-width
+    space), holds nothing: it translates to an empty line, whatever the engine (a model given
+    no source piece still wrote a sentence, where CTranslate2 wrote none)."""
+    stripped = [line.strip() for line in lines]
+    todo = [i for i, line in enumerate(stripped) if line]
+    kept = [(i, e) for i, e in zip(todo, encode([stripped[i] for i in todo])) if e]
+    return [i for i, _ in kept], [e for _, e in kept]
 
 
 def translate_texts(

@@ -192,6 +192,22 @@ def test_ctranslate2_greedy_translations_are_nmts(name, runs, sources):
             assert b.score == pytest.approx(a.score, abs=0.02)
 
 
+def test_a_line_without_source_pieces_translates_to_an_empty_line_on_both_engines(runs, sources):
+    """A line of characters the tokenizer drops (zero-width spaces) holds nothing to
+    translate, as a blank line: both engines give an empty line for it (nmt's model, given no
+    source piece, wrote a sentence where CTranslate2 wrote none), and the other lines are
+    translated as without it."""
+    run = runs("pre-sinusoidal-tied")
+    opts = options(run, beam=2, nbest=1, length_norm="plain")
+    engine = nmt_engine(run)
+    assert engine.tokenizer.encode_src(["\u200b\u200b"]) == [[]]
+    lines = [sources[0], "\u200b", " \u200b\u200b ", "", sources[1]]
+    alone = texts(engine.translate([sources[0], sources[1]], opts, 6000))
+    for name in ("nmt", "ctranslate2"):
+        got = texts(open_engine([run], name, CPU).translate(lines, opts, 6000))
+        assert got == [alone[0], "", "", "", alone[1]], name
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_ctranslate2_log_probs_of_a_forced_target_are_nmts(name, runs, sources, references):
     """Token by token (every position, every layer's layout): CTranslate2's scoring of the

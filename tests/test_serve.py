@@ -106,8 +106,9 @@ def texts(answer: dict) -> list[str]:
 
 
 def test_translate_equals_nmt_translate(client, runs, english):
-    """Lines (one empty) with scores: what `nmt translate --scores` prints, line for line."""
-    lines = [*english[:5], "", *english[5:7]]
+    """Lines (one empty, one of a zero-width space: no source piece) with scores: what `nmt
+    translate --scores` prints, line for line; both lines without a piece empty."""
+    lines = [*english[:4], "", "\u200b", *english[5:7]]
     r = client.post("/translate", json={"text": lines, "scores": True})
     assert r.status_code == 200, r.text
     answer = r.json()
@@ -115,6 +116,7 @@ def test_translate_equals_nmt_translate(client, runs, english):
     cli = ok(nmt_cli("translate", runs["tiny"], "--scores", *FP32, stdin="\n".join(lines) + "\n"))
     rows = cli.stdout.split("\n")[:-1]
     assert len(rows) == len(lines) == len(answer["translations"])
+    assert rows[4] == rows[5] == ""
     for row, got in zip(rows, answer["translations"]):
         if not row:
             assert got == {"text": "", "score": None}
