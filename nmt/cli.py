@@ -829,6 +829,15 @@ def average(
             raise NMTError(
                 f"--output {target} is the run's {kind}.pt ({reason}); give another file name"
             )
+    if any(target.resolve() == Path(p).resolve() for p in paths):
+        raise NMTError(
+            f"--output {target} is one of the checkpoints averaged; give another file name"
+        )
+    if runs.is_step_checkpoint(target):
+        raise NMTError(
+            f"--output {target} is named as the run's step checkpoints, which --last, "
+            "train.keep_last and train.average_last count as training's saves; give another file name"
+        )
     dev = _decode_device(device)
     with runs.writer():  # no training may write the run meanwhile
         averaged = checkpoint.average(paths)

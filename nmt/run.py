@@ -143,9 +143,19 @@ class RunDir:
         return self.checkpoints_dir / f"step-{step}.pt"
 
     def step_checkpoints(self) -> list[Path]:
-        """Kept step checkpoints, oldest first."""
-        paths = self.checkpoints_dir.glob("step-*.pt")
+        """Kept step checkpoints (step-N.pt, N in digits), oldest first."""
+        paths = (p for p in self.checkpoints_dir.glob("step-*.pt") if _step_text(p).isdecimal())
         return sorted(paths, key=step_of)
+
+    def is_step_checkpoint(self, path: Path) -> bool:
+        """Whether `path` is in this run's checkpoints/ folder with a step-*.pt name (a file
+        there named as training's saves is taken for one, or looks like one)."""
+        path = Path(path)
+        return (
+            path.name.startswith("step-")
+            and path.suffix == ".pt"
+            and path.resolve().parent == self.checkpoints_dir.resolve()
+        )
 
     @property
     def metrics_file(self) -> Path:
@@ -399,9 +409,13 @@ def default_run_dir(recipe: Path) -> Path:
     return Path("runs") / (f"{parent}_{recipe.stem}" if parent != "recipes" else recipe.stem)
 
 
+def _step_text(path: Path) -> str:
+    return path.stem.removeprefix("step-") if path.stem.isascii() else ""
+
+
 def step_of(path: Path) -> int:
     """The step of a step-N.pt checkpoint."""
-    return int(path.stem.split("-")[1])
+    return int(_step_text(path))
 
 
 class RunLog:

@@ -1125,6 +1125,39 @@ def test_average_refuses_bad_counts_and_directory_outputs(run, tmp_path):
     assert message.endswith(f"no such run directory: {missing}")  # not "keeps 0 checkpoints"
 
 
+def test_average_never_writes_over_a_step_checkpoint_or_an_input(run, tmp_path):
+    """--output over one of the run's step checkpoints (an average without optimizer state
+    that a later --last K averaged again: 0.75 and 0.25 of two saves, reported as their
+    mean), a new file named as one, or one of the checkpoints averaged is refused, and
+    nothing changes; a file in checkpoints/ named step-SOMETHING.pt is not taken for a
+    save (its name was read as a step number: a traceback)."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("translations"))
+    ckpts = copy / "checkpoints"
+    before = {p.name: p.read_bytes() for p in ckpts.iterdir()}
+    step = ckpts / "step-80.pt"
+    message = one_line_error(nmt_cli("average", copy, "--last", "2", "--output", step))
+    assert message == (
+        f"error: --output {step} is one of the checkpoints averaged; give another file name"
+    )
+    for name in ("step-120.pt", "step-200.pt", "step-final.pt"):
+        message = one_line_error(
+            nmt_cli("average", copy, "--checkpoint", step, "--output", ckpts / name)
+        )
+        assert "is named as the run's step checkpoints" in message
+    outside = tmp_path / "mine.pt"
+    shutil.copy(step, outside)
+    message = one_line_error(
+        nmt_cli("average", copy, "--checkpoint", outside, "--output", outside, "--no-promote")
+    )
+    assert "is one of the checkpoints averaged" in message
+    assert outside.read_bytes() == before["step-80.pt"]
+    assert {p.name: p.read_bytes() for p in ckpts.iterdir()} == before
+    shutil.copy(step, ckpts / "step-final.pt")  # a user's copy, named so by hand
+    ok(nmt_cli("average", copy, "--last", "2", "--no-promote"))
+    assert checkpoint.load(ckpts / "averaged.pt")["averaged"] == [80, 120]
+
+
 def main_with_probe(probe: str, *args, stdin: str = "") -> subprocess.CompletedProcess:
     """`nmt ARGS` through nmt.cli.main in a fresh Python whose last stderr line (written by an
     atexit handler, after main has returned) is `probe` evaluated there."""
