@@ -309,7 +309,8 @@ def _progress_bar():
     `progress(total)` callback the library takes (it returns the per-batch tick)."""
     from rich.progress import Progress
 
-    with Progress(console=err, transient=True) as bar:
+    # only at a terminal: elsewhere (a log, a pipe) it cannot be erased and left a blank line
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
 
         def start(description: str):
             def progress(total: int):
@@ -465,7 +466,7 @@ def translate(
         _attention_plot(decoder, lines, opts, attention_plot)
     from rich.progress import Progress
 
-    with Progress(console=err, transient=True, disable=input is None) as bar:
+    with Progress(console=err, transient=True, disable=input is None or not err.is_terminal) as bar:
         task = bar.add_task("translating", total=len(lines))
 
         def tick(n: int) -> None:

@@ -72,8 +72,8 @@ def one_line_error(result: subprocess.CompletedProcess) -> str:
     """Exit code 2, one line on stderr, no traceback, nothing on stdout."""
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and result.stderr == lines[0] + "\n", result.stderr
     assert result.stdout == ""
     return lines[0]
 
