@@ -717,8 +717,8 @@ def nmt_cli(
 def one_line_error(result: subprocess.CompletedProcess) -> str:
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and result.stderr == lines[0] + "\n", result.stderr
     return lines[0]
 
 
