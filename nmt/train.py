@@ -321,7 +321,9 @@ class StepMeter:
 class LogWindow:
     """The loss and its target tokens since the last log record; and for the training rate,
     target tokens and step time since the last record, validation or save, and when that
-    stretch began."""
+    stretch began (a record's `rate_tokens`, `step_seconds` and `tokens_per_s` are that
+    stretch's: fewer tokens than since the last record where a validation or save fell in
+    between)."""
 
     loss: float = 0.0
     loss_tokens: int = 0
@@ -354,6 +356,7 @@ class LogWindow:
             "tokens": progress.tokens,
             "skipped": progress.skipped_steps,
             "step_seconds": self.step_seconds,
+            "rate_tokens": self.tokens,  # the target tokens tokens_per_s and step_seconds cover
         }
         self.tokens, self.step_seconds, self.opened = 0, 0.0, now
         self.loss, self.loss_tokens = 0.0, 0

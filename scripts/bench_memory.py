@@ -8,14 +8,18 @@ What is run
   not added.
 
 What it reports
-  * the RSS curve (one sample per interval), its peak, and its growth after the first
-    --settle minutes (max - value at settle): a run whose memory is bounded is flat there;
+  * the RSS curve (one sample per interval), its peak (the child's peak resident size as the
+    kernel reports it when the child ends, os.wait4: what it reached after the last sample
+    too, such as the final validation; the largest sampled VmHWM is kept beside it), and its
+    growth after the first --settle minutes (max - value at settle): a run whose memory is
+    bounded is flat there;
   * the training throughput the run logged: target tokens/s of its metrics.jsonl train records
     after the first --settle minutes, weighted by each record's interval (as bench_train does),
     and the median record; compare it with scripts/bench_model.py on the same recipe and
     precision (the step alone) for the share of the step rate a real run keeps;
-  * from the same records' `step_seconds` (the trainer's time in `nmt.train.train_step`): the
-    rate inside the steps, their share of the time the records log (the rest: batches,
+  * from the same records' `step_seconds` (the trainer's time in `nmt.train.train_step`) and
+    `rate_tokens` (the tokens trained in that time: a validation or save between two records
+    starts the stretch their rate covers anew): the rate inside the steps, their share of the time the records log (the rest: batches,
     logging, the loop), and the share of the wall time no record logs (validation,
     checkpoints). Shares within one run: a machine whose speed drifts between runs does not
     move them. The in-step rate against bench_model's is the step itself in a real run
@@ -76,14 +80,17 @@ def logged_rate(metrics: Path, settle_minutes: float) -> dict[str, float]:
     # record's window (its tokens over its tokens_per_s: the wall time it logs, validation and
     # checkpoints left out) and its time in train_step (`step_seconds`). Shares within one
     # run, which a machine's speed drifting between runs does not move.
-    tokens = seconds = stepped = windows = 0.0
+    # A record's rate covers the steps since the last record, validation or save
+    # (`rate_tokens`; records written before that field: the tokens since the last record).
+    tokens = seconds = stepped = windows = counted = 0.0
     for prev, r in zip(later, later[1:]):
         dt = (r["minutes"] - prev["minutes"]) * 60
         tokens += r["tokens_per_s"] * dt
         seconds += dt
-        windows += (r["tokens"] - prev["tokens"]) / r["tokens_per_s"]
+        covered = r.get("rate_tokens", r["tokens"] - prev["tokens"])
+        windows += covered / r["tokens_per_s"]
         stepped += r["step_seconds"]
-    counted = later[-1]["tokens"] - later[0]["tokens"]
+        counted += covered
     return {
         "tokens_per_s": tokens / seconds if seconds else float("nan"),
         "tokens_per_s_median_record": statistics.median(r["tokens_per_s"] for r in later),
@@ -119,6 +126,41 @@ def step_rate(args: argparse.Namespace) -> float:
     return rate
 
 
+def follow(proc: subprocess.Popen, interval: float, t0: float) -> tuple[list[dict], float]:
+    """Sample the child's RSS (VmRSS, and its peak VmHWM, in MB) every `interval` seconds
+    until it ends, then reap it: the samples, and the child's peak as the kernel reports it
+    (os.wait4's rusage: what it reached after the last sample too, such as a final
+    validation or the average of the last saves). Sets `proc.returncode`."""
+    samples: list[dict] = []
+    peak_kb = 0
+
+    def running() -> bool:
+        nonlocal peak_kb
+        if proc.returncode is not None:
+            return False
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid == 0:
+            return True
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        peak_kb = usage.ru_maxrss
+        return False
+
+    while running():
+        kb = bu.status_kb(proc.pid)
+        if kb:
+            minute = (time.monotonic() - t0) / 60
+            samples.append(
+                {"minute": minute, "rss_mb": kb["VmRSS"] / 1024, "hwm_mb": kb["VmHWM"] / 1024}
+            )
+            print(
+                f"  {minute:6.2f} min  RSS {kb['VmRSS'] / 1024:8.0f} MB  peak {kb['VmHWM'] / 1024:8.0f} MB"
+            )
+        deadline = time.monotonic() + interval
+        while running() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    return samples, peak_kb / 1024
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     bu.default_env()
@@ -136,21 +178,9 @@ def main(argv: list[str] | None = None) -> dict:
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
-    samples = []
-    while proc.poll() is None:
-        kb = bu.status_kb(proc.pid)
-        if kb:
-            minute = (time.monotonic() - t0) / 60
-            samples.append(
-                {"minute": minute, "rss_mb": kb["VmRSS"] / 1024, "hwm_mb": kb["VmHWM"] / 1024}
-            )
-            print(
-                f"  {minute:6.2f} min  RSS {kb['VmRSS'] / 1024:8.0f} MB  peak {kb['VmHWM'] / 1024:8.0f} MB"
-            )
-        deadline = time.monotonic() + args.interval
-        while proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-    _, stderr = proc.communicate()
+    samples, child_peak_mb = follow(proc, args.interval, t0)
+    stderr = proc.stderr.read()
+    proc.stderr.close()
     if proc.returncode != 0:
         print(stderr[-3000:])
         raise SystemExit(f"nmt train exited with {proc.returncode}")
@@ -165,9 +195,11 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "benchmark": "bench_memory",
         "args": vars(args),
-        "machine": bu.machine_info(),
+        "machine": {**bu.machine_info(), "threads": args.threads},  # the child's
         "samples": samples,
-        "peak_rss_mb": max((s["hwm_mb"] for s in samples), default=float("nan")),
+        # the kernel's figure for the whole run, the samples' until the last of them
+        "peak_rss_mb": max([s["hwm_mb"] for s in samples] + [child_peak_mb]),
+        "peak_rss_sampled_mb": max((s["hwm_mb"] for s in samples), default=float("nan")),
         "rss_at_settle_mb": settled[0]["rss_mb"] if settled else float("nan"),
         "growth_after_settle_mb": (max(s["rss_mb"] for s in settled) - settled[0]["rss_mb"])
         if settled

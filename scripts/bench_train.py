@@ -111,8 +111,7 @@ def replay_batches(cfg, split, steps: int):
     """The trainer's first `steps` batches (one rank, accumulate=1), as index arrays."""
     from nmt.data.batching import TokenBatches
 
-    t = cfg.train
-    batches = TokenBatches(split.src_lens, split.tgt_lens, t.batch_tokens, t.seed, True, 0, 1)
+    batches = TokenBatches.of(split, cfg.train)  # the trainer's (batch_multiple too)
     out, epoch = [], 0
     while len(out) < steps:
         out.extend(batches.epoch(epoch))
@@ -187,7 +186,7 @@ def run_one(arch: str, precision: str, args, root: Path) -> dict:
     compute = sum(r["step_seconds"] for r in rest)  # the trainer's time in train_step
     optimizer = sum(timer.seconds[lo:hi])
     parts = {"step_but_optimizer": compute - optimizer, "optimizer": optimizer}
-    window_tokens = tok
+    window_tokens = rest[-1]["tokens"] - first["tokens"]  # trained in steps lo+1 .. hi
     row = {
         "arch": arch,
         "precision": precision,

@@ -251,6 +251,63 @@ def test_bench_memory_splits_a_runs_wall_time_by_the_trainers_own_clocks(tmp_pat
     assert rate["steps_share_of_logged"] == pytest.approx(40 / 50)
     assert rate["unlogged_share"] == pytest.approx(10 / 60)
 
+    # A validation inside a record's window (valid_every not a multiple of log_every): the
+    # trainer's rate, step time and `rate_tokens` cover only the steps after it (600 of the
+    # window's 1,000 tokens, 24 s in train_step of the 30 s logged): the same rates, not
+    # 1,000 tokens over 24 s.
+    records[3].update(rate_tokens=600, tokens_per_s=600 / 30, step_seconds=24.0)
+    for r in records[4:]:
+        r["rate_tokens"] = 1000
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    rate = bench_memory.logged_rate(metrics, 2.0)
+    assert rate["tokens_per_step_second"] == pytest.approx(2600 / 104)
+    assert rate["tokens_per_step_second"] == pytest.approx(25.0)
+    assert rate["steps_share_of_logged"] == pytest.approx(0.8)
+    assert rate["unlogged_share"] == pytest.approx(1 - 130 / 180)
+
+
+def test_bench_memory_reports_the_peak_a_child_reaches_after_the_last_sample():
+    """The child's peak resident size is the kernel's (reaped with os.wait4), not only the
+    largest VmHWM sampled: one that grows by 300 MB just before it ends, between two samples,
+    reports it."""
+    import subprocess
+    import time
+
+    import bench_memory
+
+    code = "import time\ntime.sleep(1.5)\nb = bytearray(300 << 20)\nb[::4096] = b'x' * len(b[::4096])\n"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    samples, peak_mb = bench_memory.follow(proc, 60.0, time.monotonic())
+    assert proc.returncode == 0
+    assert len(samples) == 1 and samples[0]["hwm_mb"] < 100  # sampled at its start
+    assert peak_mb >= 300
+
+
+def test_bench_train_replays_the_batches_the_trainer_trained(tmp_path):
+    """--pure trains the trainer's batches again: their target tokens, step by step, are
+    what the trainer logged (it built them without train.batch_multiple: other batches)."""
+    import bench_train
+    from conftest import REPO
+
+    from nmt import config
+    from nmt.data.prepare import prepare
+    from nmt.run import RunDir, attach
+    from nmt.train import train
+
+    cfg = config.load(
+        REPO / "recipes" / "tiny" / "transformer.yaml",
+        ["train.max_steps=6", "train.log_every=1", "train.precision=fp32"],
+    )
+    assert cfg.train.batch_multiple > 1
+    prepared = prepare(cfg)
+    attach(prepared, cfg, tmp_path / "run")
+    train(cfg, tmp_path / "run")
+    logged = [r["tokens"] for r in RunDir(tmp_path / "run").metrics() if r["kind"] == "train"]
+    trained = [b - a for a, b in zip([0, *logged], logged)]
+    split = prepared.split("train")
+    replayed = [split.collate(idx).tgt_tokens for idx in bench_train.replay_batches(cfg, split, 6)]
+    assert replayed == trained
+
 
 def test_bench_serve_sets_each_row_against_its_own_rounds_offline_pass():
     """--rounds: every client count's rows over the rounds, each against the offline pass of

@@ -871,7 +871,7 @@ def test_bleu_tokenizer_extras_are_checked_before_any_work(tmp_path):
 
 # -- a run interrupted at a step where something else happens too ---------------------------
 
-TIMING = {"minutes", "tokens_per_s", "step_seconds", "seconds", "train_seconds"}
+TIMING = {"minutes", "tokens_per_s", "step_seconds", "rate_tokens", "seconds", "train_seconds"}
 
 
 def interrupted_at(step: int, monkeypatch):
@@ -969,6 +969,20 @@ def test_cosine_reaches_min_lr_at_the_first_budget_to_end(tmp_path):
         r["lr"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"
     ]
     assert rates[-1] == pytest.approx(0.0, abs=1e-12) and max(rates) > 1e-4
+
+
+def test_a_records_rate_covers_the_steps_since_the_last_record_validation_or_save(tmp_path):
+    """`rate_tokens`: the target tokens a train record's tokens_per_s and step_seconds cover.
+    The tokens since the last record, except where a validation fell in between (here at
+    step 3, inside the window of the record at step 4): then only those after it."""
+    sets = ("train.precision=fp32", "train.max_steps=8", "train.log_every=2")
+    train_api(tiny("transformer", *sets, "train.valid_every=3"), tmp_path / "run")
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in records] == [2, 4, 6, 8]
+    since = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}, *records], records)]
+    rate = [r["rate_tokens"] for r in records]
+    assert rate[0] == since[0] and rate[2] == since[2] and rate[3] == since[3]
+    assert 0 < rate[1] < since[1]
 
 
 def test_a_lower_keep_last_on_resume_removes_the_older_step_checkpoints(tmp_path):
