@@ -214,16 +214,20 @@ async def load(
     wall = time.perf_counter() - t0
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     lat = np.array(latencies)
+
+    def ms(q: float) -> float:  # no request answered (no time for one): no latency
+        return 1000 * float(np.percentile(lat, q)) if len(lat) else float("nan")
+
     return {
         "clients": clients,
         "requests": len(latencies),
         "seconds": wall,
         "requests_per_s": len(latencies) / wall,
         "sentences_per_s": len(latencies) / wall,  # one sentence per request
-        "p50_ms": 1000 * float(np.percentile(lat, 50)),
-        "p95_ms": 1000 * float(np.percentile(lat, 95)),
-        "p99_ms": 1000 * float(np.percentile(lat, 99)),
-        "max_ms": 1000 * float(lat.max()),
+        "p50_ms": ms(50),
+        "p95_ms": ms(95),
+        "p99_ms": ms(99),
+        "max_ms": ms(100),
         "client_cpu_s": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime),
         "outputs": outputs,
     }
@@ -231,10 +235,11 @@ async def load(
 
 def processes_cpu(pid: int) -> tuple[float, float] | None:
     """CPU seconds so far of the server's process and of its children together (its
-    decoding processes), or None where /proc cannot tell."""
+    decoding processes; none with --threads, where the server's process decodes), or None
+    where /proc cannot tell."""
     own = bu.cpu_seconds(pid)
     children = [bu.cpu_seconds(c) for c in bu.child_pids(pid)]
-    if own is None or not children or None in children:
+    if own is None or None in children:
         return None
     return own, sum(children)
 
@@ -245,25 +250,26 @@ def offline(args: argparse.Namespace, sentences: list[str]):
     import torch
 
     from nmt import config
-    from nmt.device import resolve_precision
-    from nmt.translate import load_model, search_options, translate_lines
+    from nmt.decode_process import helping
+    from nmt.engine import open_engine
+    from nmt.translate import search_options
 
     bu.setup_torch(2)
     cpu = torch.device("cpu")
-    loaded = load_model(Path(args.run), cpu)
+    engine = open_engine([Path(args.run)], "nmt", cpu, args.precision)
     overrides = [
         f"decode.beam={args.beam}",
         "decode.nbest=1",
         f"decode.precision={args.precision}",
     ]
-    d = config.replace(loaded.config, overrides).decode
-    prec = resolve_precision(d.precision, cpu, decoding=True)
+    d = config.replace(engine.config, overrides).decode
+    prec = engine.precision
     opts = search_options(d)
 
     def run(lines: list[str]) -> list[str]:
-        out = translate_lines(
-            loaded.model, loaded.tokenizer, lines, opts, d.batch_tokens, cpu, prec, None, d.workers
-        )
+        # as nmt translate decodes them: many lines hand batches to decoding processes
+        with helping(engine, len(lines), opts, d.workers):
+            out = engine.translate(lines, opts, d.batch_tokens, None, d.workers)
         return [nbest[0][0] if nbest else "" for nbest in out]
 
     run(sentences[:64])
@@ -430,12 +436,13 @@ def main(argv: list[str] | None = None) -> None:
                 graphs_compiled=after["graphs_compiled_while_serving"]
                 - before["graphs_compiled_while_serving"],
             )
+            row["client_cpu"] = row["client_cpu_s"] / row["seconds"]
             if cpu_before is not None and cpu_after is not None:
                 # cores' worth of CPU time over the row: the server's own process (HTTP, the
-                # queue, the scheduling threads) and its decoding processes together
+                # queue, the scheduling threads; with --threads the decoding too) and its
+                # decoding processes together
                 row["server_cpu"] = (cpu_after[0] - cpu_before[0]) / row["seconds"]
                 row["decoders_cpu"] = (cpu_after[1] - cpu_before[1]) / row["seconds"]
-                row["client_cpu"] = row["client_cpu_s"] / row["seconds"]
             rows.append(row)
             print(
                 f"{clients} clients: {row['sentences_per_s']:.1f} sentences/s, p99 "

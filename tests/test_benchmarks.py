@@ -283,6 +283,22 @@ def test_bench_memory_reports_the_peak_a_child_reaches_after_the_last_sample():
     assert peak_mb >= 300
 
 
+def test_bench_data_counts_no_child_where_prepare_starts_none(tmp_path):
+    """With --num-proc 1 prepare starts no process: the peak is this process' own. Children
+    ended before (ldconfig forked by ctypes' find_library, at this process' size then) were
+    added to it as prepare's."""
+    import subprocess
+
+    import bench_data
+
+    big = "b = bytearray(200 << 20)\nb[::4096] = b'x' * len(b[::4096])\n"
+    subprocess.run([sys.executable, "-c", big], check=True)  # a child that ended, 200 MB
+    threads = str(torch.get_num_threads())  # the suite's, kept
+    result = bench_data.main(["--quick", "--threads", threads, "--num-proc", "1"])
+    peak = result["peak_rss_mib"]
+    assert peak["children_max"] == 0 and peak["total"] == peak["self_vmhwm"]
+
+
 def test_bench_train_replays_the_batches_the_trainer_trained(tmp_path):
     """--pure trains the trainer's batches again: their target tokens, step by step, are
     what the trainer logged (it built them without train.batch_multiple: other batches)."""
@@ -307,6 +323,27 @@ def test_bench_train_replays_the_batches_the_trainer_trained(tmp_path):
     split = prepared.split("train")
     replayed = [split.collate(idx).tgt_tokens for idx in bench_train.replay_batches(cfg, split, 6)]
     assert replayed == trained
+
+
+def test_bench_serve_load_without_answers_has_no_latencies():
+    """--warmup 0 (or a row no request finished in): no latency figures, not an IndexError."""
+    import asyncio
+    import math
+
+    import bench_serve
+
+    async def main():
+        async def hang_up(reader, writer):
+            writer.close()
+
+        server = await asyncio.start_server(hang_up, bench_serve.HOST, 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            return await bench_serve.load(port, [], 2, 5, 10)
+
+    row = asyncio.run(main())
+    assert row["requests"] == 0
+    assert all(math.isnan(row[k]) for k in ("p50_ms", "p95_ms", "p99_ms", "max_ms"))
 
 
 def test_bench_serve_sets_each_row_against_its_own_rounds_offline_pass():
@@ -368,3 +405,24 @@ def test_bench_serve_counts_the_cpu_time_of_the_server_and_of_its_children_apart
         child.wait()
     assert child.pid not in bu.child_pids(os.getpid())
     assert bu.cpu_seconds(child.pid) is None  # gone
+
+
+def test_bench_serve_counts_a_server_without_children_all_as_its_own():
+    """With --threads the server's process decodes and has no child: its CPU time is counted
+    (no children: 0), not dropped with every CPU column."""
+    import subprocess
+    import time
+
+    import bench_serve
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+    alone = subprocess.Popen([sys.executable, "-c", spin + "time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (bu.cpu_seconds(alone.pid) or 0) < 0.4:
+            time.sleep(0.05)
+        own, children = bench_serve.processes_cpu(alone.pid)
+        assert own >= 0.4 and children == 0.0
+    finally:
+        alone.kill()
+        alone.wait()
