@@ -193,6 +193,31 @@ def plan(
     return systems
 
 
+# what nmt compare writes in --out (besides the plots, *.png)
+OUT_ENTRIES = {"runs", "translations", "report.json", "report.md"}
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an --out folder holding files nmt compare does not write (they would be
+    written over or mixed with its own): it must be new, empty or an earlier comparison's."""
+    if not out.is_dir():
+        return
+    names = {p.name for p in out.iterdir()}
+    foreign = sorted(n for n in names - OUT_ENTRIES if not n.endswith(".png"))
+    ours = True
+    if "report.md" in names or "report.json" in names:
+        try:
+            ours = "systems" in json.loads((out / "report.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError, TypeError):
+            ours = False
+    if foreign or not ours:
+        what = ", ".join(foreign[:3]) if foreign else "a report.md or report.json of its own"
+        raise NMTError(
+            f"--out {out} holds files nmt compare did not write ({what}); give a new or empty "
+            "folder, or the folder of an earlier nmt compare"
+        )
+
+
 def ensembles(systems: list[System]) -> list[System]:
     """With --ensemble: one ensemble of all systems (their first seeds), and with several
     seeds one of each system's seeds."""
@@ -365,6 +390,7 @@ def compare(
     check_bootstrap_samples(bootstrap_samples)
     if out.exists() and not out.is_dir():
         raise NMTError(f"--out {out} is a file; give a directory for the report")
+    _check_out(out)
     systems = plan(recipes, out, sets or [], parse_budget(budget), seeds)
     if len({_task(s.cfg) for s in systems}) > 1:
         raise NMTError(

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from nmt import NMTError
-from nmt.config import Config, TrainConfig
+from nmt.config import Config, ConfigError, TrainConfig, read_yaml
 from nmt.files import write_atomic
 
 if TYPE_CHECKING:
@@ -207,8 +207,26 @@ class RunDir:
 
     # -- state --------------------------------------------------------------------------------
     def check_is_dir(self) -> None:
+        """Refuse (`NMTError`) a path that is a file, or a folder holding other files than a
+        run's: a run would write its config.yaml, logs and folders over them."""
         if self.path.exists() and not self.path.is_dir():
             raise NMTError(f"{self.path} is a file, not a run directory; choose another --run-dir")
+        if self.path.is_dir() and not self._holds_a_run():
+            raise NMTError(
+                f"{self.path} holds files of its own and no nmt run (no config.yaml written by "
+                "nmt); choose a new or empty --run-dir"
+            )
+
+    def _holds_a_run(self) -> bool:
+        """Empty (but for the writer lock), or holding the config.yaml nmt writes: a mapping
+        of recipe sections."""
+        if {p.name for p in self.path.iterdir()} <= {self.lock_file.name}:
+            return True
+        try:
+            stored = read_yaml(self.config_file)
+        except (ConfigError, OSError):
+            return False
+        return bool(stored) and stored.keys() <= {f.name for f in dataclasses.fields(Config)}
 
     def state(self, budget: TrainConfig | None = None) -> RunState:
         """The run's state. With `budget`, a run with a checkpoint is finished when that budget

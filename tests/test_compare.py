@@ -263,6 +263,17 @@ def test_compare_refuses_bad_options_before_any_work(tmp_path):
     a_file.write_text("keep\n")
     res = nmt("compare", RECIPES[0], "--out", a_file)
     assert res.returncode == 2 and "is a file" in res.stderr and a_file.read_text() == "keep\n"
+    # a folder of the user's own: its report.md (notes) was replaced by the report
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "report.md").write_text("my notes\n")
+    res = nmt("compare", RECIPES[0], "--out", notes)
+    assert res.returncode == 2 and "holds files nmt compare did not write" in res.stderr
+    assert [p.name for p in notes.iterdir()] == ["report.md"]
+    (notes / "report.md").unlink()
+    (notes / "plan.txt").write_text("x\n")
+    res = nmt("compare", RECIPES[0], "--out", notes)
+    assert res.returncode == 2 and "did not write (plan.txt)" in res.stderr
     out = tmp_path / "cmp"
     for args, message in (
         (("--bootstrap-samples", "0"), "--bootstrap-samples must be >= 1"),

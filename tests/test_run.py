@@ -96,6 +96,34 @@ def test_the_layout_names_every_file_of_a_trained_run():
     assert run.model_checkpoint() == run.checkpoint("best")
 
 
+def test_a_folder_of_other_files_is_never_taken_for_a_run(tmp_path):
+    """`--run-dir` naming a folder of the user's own (a config.yaml of theirs among other
+    files) is refused by prepare and train in one line, nothing written into it: training
+    replaced the config.yaml by its own and wrote logs and folders beside the files. An empty
+    folder, or one holding only the writer's lock, is a new run."""
+    own = tmp_path / "project"
+    own.mkdir()
+    (own / "config.yaml").write_text("server: {port: 80}\n")
+    (own / "notes.txt").write_text("mine\n")
+    for command in ("prepare", "train"):
+        res = run_nmt(command, TINY, "--run-dir", own, "--set", "train.max_steps=2")
+        assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+        assert "holds files of its own and no nmt run" in res.stderr
+        assert sorted(p.name for p in own.iterdir()) == ["config.yaml", "notes.txt"]
+        assert (own / "config.yaml").read_text() == "server: {port: 80}\n"
+    (own / "config.yaml").unlink()  # other files and no config at all: the same
+    res = run_nmt("prepare", TINY, "--run-dir", own)
+    assert res.returncode == 2 and "no nmt run" in res.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / ".lock").write_text("")
+    res = run_nmt("prepare", TINY, "--run-dir", empty)
+    assert res.returncode == 0, res.stderr
+    assert (empty / "config.yaml").is_file()
+    res = run_nmt("prepare", TINY, "--run-dir", empty)  # a run now: prepared again
+    assert res.returncode == 0, res.stderr
+
+
 # -- the writer lock ------------------------------------------------------------------------
 
 

@@ -1153,6 +1153,28 @@ def test_average_never_writes_over_a_step_checkpoint_or_an_input(run, tmp_path):
     assert "is one of the checkpoints averaged" in message
     assert outside.read_bytes() == before["step-80.pt"]
     assert {p.name: p.read_bytes() for p in ckpts.iterdir()} == before
+    text = tmp_path / "notes.txt"  # any file not an nmt checkpoint: refused, kept
+    text.write_text("mine\n")
+    message = one_line_error(nmt_cli("average", copy, "--last", "2", "--output", text))
+    assert message.endswith("exists and is not an nmt checkpoint; give another file name")
+    assert text.read_text() == "mine\n"
+    other = tmp_path / "other"  # another run's checkpoints: not this run's to write
+    shutil.copytree(copy, other)
+    message = one_line_error(
+        nmt_cli(
+            "average",
+            copy,
+            "--last",
+            "2",
+            "--output",
+            other / "checkpoints" / "best.pt",
+            "--no-promote",
+        )
+    )
+    assert f"is in another run's checkpoints ({other.resolve()})" in message
+    assert (other / "checkpoints" / "best.pt").read_bytes() == before["best.pt"]
+    ok(nmt_cli("average", copy, "--last", "2", "--output", outside, "--no-promote"))
+    assert checkpoint.load(outside)["averaged"] == [80, 120]  # an nmt checkpoint: replaced
     shutil.copy(step, ckpts / "step-final.pt")  # a user's copy, named so by hand
     ok(nmt_cli("average", copy, "--last", "2", "--no-promote"))
     assert checkpoint.load(ckpts / "averaged.pt")["averaged"] == [80, 120]
