@@ -399,6 +399,7 @@ RESUMABLE = (
     "train.save_every",
     "train.keep_last",
     "train.patience",
+    "train.max_nonfinite",
     "train.tensorboard",
     "train.valid_max_sentences",
     "decode.",

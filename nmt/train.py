@@ -898,7 +898,11 @@ def train_loop(
                 if (due or save_due) and not read:  # checkpoints hold exact counts
                     bad_run = measure(meter, window, progress)
                 if bad_run >= t.max_nonfinite:
-                    stop_reason, due, save_due = non_finite_stop(bad_run), True, True
+                    stop_reason, due, save_due = (
+                        non_finite_stop(bad_run, trainee.precision),
+                        True,
+                        True,
+                    )
                 if due or save_due:  # what a save holds for a resumed run (best.pt's too)
                     progress.log_loss, progress.log_loss_tokens = window.loss, window.loss_tokens
                     progress.nonfinite_run = meter.bad_run
@@ -936,10 +940,14 @@ def measure(meter: StepMeter, window: LogWindow, progress: TrainProgress) -> int
     return bad_run
 
 
-def non_finite_stop(bad_run: int) -> str:
+def non_finite_stop(bad_run: int, precision: str) -> str:
+    """The stop reason; what to change is trained anew (a run keeps the lr and precision it
+    was trained with: --resume refuses another value), fp32 suggested only to a run not in it."""
+    fp32 = "" if precision == "fp32" else " or train.precision=fp32"
     return (
-        f"stopped: the loss was not finite for {bad_run} consecutive steps; lower train.lr or "
-        "use train.precision=fp32 (last.pt holds the last good weights)"
+        f"stopped: the loss was not finite for {bad_run} consecutive steps; train a new run "
+        f"(another --run-dir) with a lower train.lr{fp32} (this run's last.pt holds its last "
+        "good weights)"
     )
 
 

@@ -267,8 +267,22 @@ def test_repeated_non_finite_losses_exit_1(tmp_path):
     )
     assert res.returncode == 1, res.stderr
     assert "stopped: the loss was not finite for 3 consecutive steps" in res.stderr
+    # what it advises can be done: a new run (a run keeps its lr), fp32 not offered to a run
+    # in fp32; the tolerance itself may change on resume
+    assert "train a new run (another --run-dir) with a lower train.lr (this" in res.stderr
     last = checkpoint.load(run / "checkpoints" / "last.pt")
     assert all(torch.isfinite(v).all() for v in last["model"].values() if v.is_floating_point())
+    again = run_nmt(
+        "train",
+        TINY / "transformer.yaml",
+        "--run-dir",
+        run,
+        "--resume",
+        "--set",
+        "train.max_nonfinite=5",
+    )
+    assert again.returncode == 1, again.stderr
+    assert "stopped: the loss was not finite for 5 consecutive steps" in again.stderr
 
 
 def test_ctrl_c_checkpoints_and_says_how_to_resume(tmp_path):
