@@ -342,7 +342,9 @@ def translate(
     nbest: int | None = typer.Option(
         None, "--nbest", help="Hypotheses per sentence (n-best format)."
     ),
-    scores: bool = typer.Option(False, "--scores", help="Append the model score after a tab."),
+    scores: bool = typer.Option(
+        False, "--scores", help="Append the model score after a tab (NA for an empty line)."
+    ),
     batch_tokens: int | None = typer.Option(
         None, "--batch-tokens", help="Source tokens x beam per batch."
     ),
@@ -438,7 +440,10 @@ def translate(
                     sink.write(f"{i} |||  ||| 0.0000\n")
                 continue
             text, hyp = nbest_list[0] if nbest_list else ("", None)
-            sink.write(f"{text}\t{hyp.score:.4f}\n" if scores and hyp else f"{text}\n")
+            if scores:  # two columns on every row: NA for a line with nothing to translate
+                sink.write(f"{text}\t{hyp.score:.4f}\n" if hyp else "\tNA\n")
+            else:
+                sink.write(f"{text}\n")
         sink.flush()
 
     tick = None

@@ -179,7 +179,8 @@ def test_translate_long_line(run, file_translation, api_translations, long_line)
 def test_translate_stdin_any_order_with_scores(run, file_translation, api_translations):
     """Shuffled lines through stdin -> stdout: every line gets the translation it got in file
     order (length-sorted batching does not leak into the output order); --scores appends a tab
-    and the model score to every translated line."""
+    and the model score to every translated line, a tab and NA to an empty one (two columns
+    on every row)."""
     lines, outputs = file_translation
     order = list(range(len(lines)))
     random.Random(0).shuffle(order)
@@ -189,7 +190,7 @@ def test_translate_stdin_any_order_with_scores(run, file_translation, api_transl
     assert len(rows) == len(lines)
     for row, i in zip(rows, order):
         if not lines[i].strip():
-            assert row == ""
+            assert row == "\tNA"
             continue
         text, tab, score = row.rpartition("\t")
         assert tab == "\t"
@@ -783,7 +784,7 @@ def test_translate_with_parallel_workers_equals_one_worker(run, multi30k_dir):
     args = ("translate", run, "--batch-tokens", "200", "--scores", *FP32)
     one = ok(nmt_cli(*args, "--workers", "1", stdin=stdin)).stdout
     two = ok(nmt_cli(*args, "--workers", "2", stdin=stdin)).stdout
-    assert len(out_lines(two)) == len(lines) and out_lines(two)[7] == ""
+    assert len(out_lines(two)) == len(lines) and out_lines(two)[7] == "\tNA"
     assert two == one
     assert "decode.workers" in one_line_error(nmt_cli(*args, "--workers", "-1", stdin=stdin))
 
