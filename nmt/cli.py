@@ -261,6 +261,14 @@ class RichReporter:
     def message(self, text: str) -> None:
         self.progress.console.print(text)
 
+    def finish(self, progress) -> None:
+        """The bar at where training ended (it moves at log records only: a budget that
+        is not a multiple of train.log_every left it short)."""
+        if self.task is not None:
+            record = {"step": progress.step, "minutes": progress.seconds / 60}
+            record["tokens"] = progress.tokens
+            self.progress.update(self.task, completed=1000 * self._fraction(record))
+
     def stop(self) -> None:
         if self.task is not None:
             self.progress.stop()
@@ -288,6 +296,8 @@ def train(
     reporter = RichReporter() if rank == 0 else None
     try:
         result = run_train(cfg, run.path, resume=resume, reporter=reporter)
+        if reporter:
+            reporter.finish(result.progress)
     finally:
         if reporter:
             reporter.stop()

@@ -285,6 +285,22 @@ def test_repeated_non_finite_losses_exit_1(tmp_path):
     assert "stopped: the loss was not finite for 5 consecutive steps" in again.stderr
 
 
+def test_the_progress_bar_ends_where_training_ended(tmp_path):
+    """The bar moves at log records; a budget that is not a multiple of train.log_every (5
+    steps, a record every 10) left it at 0% when the run had reached its budget."""
+    res = run_nmt(
+        "train",
+        TINY / "transformer.yaml",
+        "--run-dir",
+        tmp_path / "run",
+        "--set",
+        "train.max_steps=5",
+    )
+    assert res.returncode == 0, res.stderr
+    bar = [line for line in res.stderr.splitlines() if line.startswith("train ")]
+    assert bar and " 100% " in bar[-1], res.stderr
+
+
 def test_ctrl_c_checkpoints_and_says_how_to_resume(tmp_path):
     run = tmp_path / "run"
     proc = start_nmt(
