@@ -193,28 +193,20 @@ def plan(
     return systems
 
 
-# what nmt compare writes in --out (besides the plots, *.png)
-OUT_ENTRIES = {"runs", "translations", "report.json", "report.md"}
-
-
 def _check_out(out: Path) -> None:
-    """Refuse an --out folder holding files nmt compare does not write (they would be
-    written over or mixed with its own): it must be new, empty or an earlier comparison's."""
-    if not out.is_dir():
+    """Refuse an --out folder whose report.md or report.json nmt compare did not write: the
+    report would be written over it (a report.md of notes was replaced). Other files there
+    are left alone."""
+    if not any((out / name).exists() for name in ("report.md", "report.json")):
         return
-    names = {p.name for p in out.iterdir()}
-    foreign = sorted(n for n in names - OUT_ENTRIES if not n.endswith(".png"))
-    ours = True
-    if "report.md" in names or "report.json" in names:
-        try:
-            ours = "systems" in json.loads((out / "report.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError, TypeError):
-            ours = False
-    if foreign or not ours:
-        what = ", ".join(foreign[:3]) if foreign else "a report.md or report.json of its own"
+    try:
+        ours = "systems" in json.loads((out / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        ours = False
+    if not ours:
         raise NMTError(
-            f"--out {out} holds files nmt compare did not write ({what}); give a new or empty "
-            "folder, or the folder of an earlier nmt compare"
+            f"--out {out} holds a report.md or report.json nmt compare did not write; give "
+            "another folder, or move them out of it"
         )
 
 
