@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from nmt import NMTError, first_line
+from nmt.config import DATA_LOCATION
 from nmt.files import sync_dir
 
 FORMAT = "nmt-checkpoint-1"
@@ -83,8 +84,9 @@ def model_difference(
             return key, payload[key], other[key]
     for section in sections:
         a, b = payload["config"].get(section) or {}, other["config"].get(section) or {}
+        skip = DATA_LOCATION if section == "data" else ()  # where data was read, not what
         for key in sorted(a.keys() & b.keys()):
-            if a[key] != b[key]:
+            if key not in skip and a[key] != b[key]:
                 return f"{section}.{key}", a[key], b[key]
     return None
 

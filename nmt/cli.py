@@ -179,7 +179,7 @@ def prepare(
 
     cfg = _load_config(recipe, sets)
     run = RunDir(run_dir or default_run_dir(recipe))
-    run.check_is_dir()
+    run.check_not_written()  # a busy run: refused before the work, not after it
     with err.status("preparing data (download, tokenizer training, encoding)..."):
         prepared = prepare_data(cfg)
     with run.writer():
@@ -923,23 +923,29 @@ def compare(
     """Train (or reuse) each recipe, evaluate all on the same test sets, write report + plots."""
     from nmt.compare import compare as run_compare
     from nmt.compare import parse_budget
+    from nmt.train import Interrupted
 
     parse_budget(budget)
     for recipe in recipes:
         _load_config(recipe, sets)  # fail fast on a bad recipe before any training
-    report = run_compare(
-        recipes,
-        out_dir,
-        sets,
-        budget,
-        reporter_factory=functools.partial(RichReporter, data_table=False),
-        say=lambda text: err.print(f"[bold cyan]{text}[/]"),
-        bootstrap_samples=bootstrap_samples,
-        seeds=seeds,
-        ensemble=ensemble,
-        lowercase=lowercase,
-        tokenize=tokenize,
-    )
+    try:
+        report = run_compare(
+            recipes,
+            out_dir,
+            sets,
+            budget,
+            reporter_factory=functools.partial(RichReporter, data_table=False),
+            say=lambda text: err.print(f"[bold cyan]{text}[/]"),
+            bootstrap_samples=bootstrap_samples,
+            seeds=seeds,
+            ensemble=ensemble,
+            lowercase=lowercase,
+            tokenize=tokenize,
+        )
+    except Interrupted as stopped:  # a run saved where it was: exit 130, or 143 for SIGTERM
+        if stopped.signal == "SIGTERM":
+            _terminated.append(signal.SIGTERM)
+        raise KeyboardInterrupt from None
     for split in report["splits"]:
         table = Table(title=f"{split} (report: {out_dir / 'report.md'})")
         for col in (

@@ -43,7 +43,7 @@ from nmt.metrics import (
     score,
 )
 from nmt.run import RunDir, default_run_dir
-from nmt.train import Reporter, preflight, train
+from nmt.train import Interrupted, Reporter, preflight, train
 from nmt.translate import (
     Attention,
     attention_of,
@@ -245,8 +245,8 @@ def ensure_trained(
     run_dir = RunDir(run.run_dir)
     state = run_dir.state(run.cfg.train)
     if state.kind == "finished":
-        with run_dir.writer():  # refused while another process writes it; nothing to write
-            state = run_dir.state(run.cfg.train)
+        run_dir.check_not_written()  # refused while another process writes it; only read
+        state = run_dir.state(run.cfg.train)
         if state.kind == "finished":
             say(f"{name}: reusing finished run {run.run_dir} ({state.reason})")
             return "reused"
@@ -262,6 +262,9 @@ def ensure_trained(
         stop = getattr(reporter, "stop", None)
         if stop:
             stop()
+    if result.signal is not None:  # saved: the comparison stops as the signal asked
+        say(f"{name}: {result.stop_reason}; run the same nmt compare command again to resume it")
+        raise Interrupted(result.signal)
     if not result.progress.finished:
         raise NMTError(
             f"{name} did not finish ({result.stop_reason}); run the same nmt compare command "

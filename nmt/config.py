@@ -79,6 +79,11 @@ class ConfigError(NMTError):
     pass
 
 
+# data keys that say where and how the data is read, not what it is: in no prepared-data key
+# (`Config.data_key`), free to change when a run resumes, and no difference between models
+DATA_LOCATION = ("num_proc", "cache_dir", "local_dir", "download_url")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where the parallel corpus comes from and how it is cleaned."""
@@ -367,7 +372,7 @@ class Config:
         d = self.to_dict()
         payload = {"data": dict(d["data"]), "tokenizer": d["tokenizer"]}
         data = payload["data"]
-        for volatile in ("num_proc", "cache_dir", "local_dir", "download_url"):
+        for volatile in DATA_LOCATION:
             data.pop(volatile)
         # settings this source does not read, or that say what it reads anyway: as unset
         if data["source"] not in ("tsv", "jsonl", "hub"):

@@ -38,6 +38,7 @@ import torch
 from nmt import NMTError, __version__
 from nmt.config import Config, from_dict
 from nmt.data.tokenizer import Tokenizer
+from nmt.files import alive
 from nmt.models.base import Vocab
 from nmt.models.configs import TransformerConfig
 from nmt.models.registry import build_model
@@ -160,16 +161,6 @@ def pieces(sp) -> list[str]:
 # -- writing a directory whole or not at all ---------------------------------------------------
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -184,7 +175,7 @@ def _remove_stale(out: Path) -> None:
     for leftover in out.parent.glob(f".{out.name}.*-*"):
         match = ours.fullmatch(leftover.name)
         pid = int(match.group(2)) if match else None
-        if pid is not None and pid != os.getpid() and not _alive(pid):
+        if pid is not None and pid != os.getpid() and not alive(pid):
             _remove(leftover)
 
 

@@ -48,6 +48,27 @@ def _keep_attributes(tmp: Path, path: Path) -> None:
         os.chown(tmp, st.st_uid, st.st_gid)
 
 
+def alive(pid: int) -> bool:
+    """Whether a process `pid` runs on this machine (one of another user's too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: Path) -> None:
+    """The temporary files (`.NAME.tmp-PID`, as `write_atomic`, `replacing` and checkpoint
+    saves name them) in `folder` whose process is gone: killed while it wrote them."""
+    for leftover in Path(folder).glob(".*.tmp-*"):
+        pid = leftover.name.rpartition(".tmp-")[2]
+        if pid.isdecimal() and int(pid) != os.getpid() and not alive(int(pid)):
+            if leftover.is_file() and not leftover.is_symlink():
+                leftover.unlink(missing_ok=True)
+
+
 def sync_dir(directory: Path) -> None:
     """fsync a directory, so that a rename into it survives a crash (where it can be opened)."""
     with contextlib.suppress(OSError):

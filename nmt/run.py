@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from nmt import NMTError
-from nmt.config import Config, ConfigError, TrainConfig, read_yaml
-from nmt.files import write_atomic
+from nmt.config import DATA_LOCATION, Config, ConfigError, TrainConfig, read_yaml
+from nmt.files import remove_stale_temporaries, write_atomic
 
 if TYPE_CHECKING:
     from nmt.data.prepare import Prepared
@@ -139,6 +139,13 @@ class RunDir:
             raise ValueError(f"unknown checkpoint kind {kind!r}")
         return self.checkpoints_dir / f"{kind}.pt"
 
+    def trained(self) -> bool:
+        """Whether training saved a checkpoint here (a temporary file a killed save left is
+        none)."""
+        return self.checkpoints_dir.is_dir() and any(
+            not p.name.startswith(".") for p in self.checkpoints_dir.glob("*.pt")
+        )
+
     def step_checkpoint(self, step: int) -> Path:
         return self.checkpoints_dir / f"step-{step}.pt"
 
@@ -212,6 +219,12 @@ class RunDir:
         if self.path.exists() and not self.path.is_dir():
             raise NMTError(f"{self.path} is a file, not a run directory; choose another --run-dir")
         if self.path.is_dir() and not self._holds_a_run():
+            if self.trained():
+                raise NMTError(
+                    f"{self.path} holds checkpoints but no config.yaml of nmt's (removed or "
+                    "replaced?): the run's settings are lost with it; put it back, or train "
+                    "in another --run-dir"
+                )
             raise NMTError(
                 f"{self.path} holds files of its own and no nmt run (no config.yaml written by "
                 "nmt); choose a new or empty --run-dir"
@@ -254,7 +267,7 @@ class RunDir:
         self.check_is_dir()
         self.path.mkdir(parents=True, exist_ok=True)
         text = cfg.to_yaml()
-        trained = self.checkpoints_dir.is_dir() and any(self.checkpoints_dir.iterdir())
+        trained = self.trained()
         if self.config_file.is_file() and self.config_file.read_text(encoding="utf-8") != text:
             if trained:
                 old = _flatten(self._stored_config())
@@ -311,9 +324,9 @@ class RunDir:
         """Refuse (`NMTError` naming the holder) when another process holds the writer lock;
         creates nothing. A quick check before work that would be wasted; `writer` decides."""
         self.check_is_dir()
-        try:
-            fd = os.open(self.lock_file, os.O_RDWR)
-        except FileNotFoundError:
+        try:  # read-only: a run one may only read (another user's) can be checked too
+            fd = os.open(self.lock_file, os.O_RDONLY)
+        except (FileNotFoundError, PermissionError):
             return
         try:
             self._lock(fd)
@@ -349,6 +362,8 @@ class RunDir:
             command = " ".join(Path(a).name if i == 0 else a for i, a in enumerate(sys.argv))
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}: {command}\n".encode(), 0)
+            for folder in (self.path, self.checkpoints_dir, self.tokenizer_dir):
+                remove_stale_temporaries(folder)  # what writers killed mid-write left
             try:
                 yield
             finally:
@@ -386,10 +401,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 # Keys a run may change when it is resumed: budgets, logging cadence, decoding, and where
 # and how its data is read (the same data: not in the prepared-data key, `Config.data_key`).
 RESUMABLE = (
-    "data.num_proc",
-    "data.cache_dir",
-    "data.local_dir",
-    "data.download_url",
+    *(f"data.{key}" for key in DATA_LOCATION),
     "train.max_steps",
     "train.max_epochs",
     "train.max_minutes",
@@ -449,6 +461,10 @@ class RunLog:
         if start_step is not None and run.metrics_file.is_file():
             keep = [r for r in run.metrics() if r["step"] <= start_step] if start_step else []
             write_atomic(run.metrics_file, "".join(json.dumps(r) + "\n" for r in keep))
+        elif run.metrics_file.is_file() and not _ends_a_line(run.metrics_file):
+            # half a line a killed run left: dropped (as reading drops it), not appended to
+            keep = run.metrics()
+            write_atomic(run.metrics_file, "".join(json.dumps(r) + "\n" for r in keep))
         self._metrics = open(run.metrics_file, "a", encoding="utf-8")  # noqa: SIM115
         self._logger = logging.getLogger(f"nmt.run.{run.path.resolve()}")
         self._logger.setLevel(logging.INFO)
@@ -483,6 +499,15 @@ class RunLog:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _ends_a_line(path: Path) -> bool:
+    """Whether the file is empty or its last byte ends a line."""
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return True
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 def _tensorboard(run: RunDir):

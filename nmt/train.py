@@ -128,12 +128,22 @@ class NullReporter:
         pass
 
 
+class Interrupted(Exception):
+    """A signal stopped training, which saved where it was: raised by what cannot go on
+    without the trained run (nmt compare). `signal`: its name (SIGINT, SIGTERM)."""
+
+    def __init__(self, signal: str) -> None:
+        super().__init__(signal)
+        self.signal = signal
+
+
 @dataclass
 class Result:
     run_dir: Path
     progress: TrainProgress
     stop_reason: str
     trained_steps: int = 0  # steps this call trained (0: the budget was spent already)
+    signal: str | None = None  # the signal this process received that stopped it (SIGINT...)
 
 
 # -- what is trained ------------------------------------------------------------------------
@@ -544,6 +554,16 @@ class Signals:
             signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM held back for the scope (files that must change together: a
+    Ctrl-C between them left best.pt promoted and last.pt unaware), then delivered."""
+    with Signals() as signals:
+        yield
+    if signals.received:
+        signal.raise_signal(signal.Signals[signals.received])
+
+
 # -- the trainer ----------------------------------------------------------------------------
 
 
@@ -584,11 +604,14 @@ def check_start(run: RunDir, cfg: Config, resume: bool) -> TrainProgress | str |
 
 def check_resumable(path: Path, cfg: Config) -> None:
     """`NMTError` unless the checkpoint at `path` is one training wrote of `cfg`'s model (its
-    architecture and model section), with its optimizer state: checked before the run
-    directory is written (`resume_from` loads it later)."""
+    architecture, its model section, and the data and tokenizer sections that say what its
+    token ids are), with its optimizer state: checked before the run directory is written
+    (`resume_from` loads it later)."""
     payload = checkpoint.load(path, mmap=True)
     recipe = {"arch": arch_of(cfg.model), "config": cfg.to_dict()}
-    if difference := checkpoint.model_difference(payload, recipe, sections=("model",)):
+    # the model, and the data and tokenizer its token ids are of (a last.pt copied from a
+    # run on other data was resumed)
+    if difference := checkpoint.model_difference(payload, recipe):
         what, theirs, ours = difference
         what = "architecture" if what == "arch" else what
         raise NMTError(
@@ -748,11 +771,12 @@ def validate_average(
         return record, False
     progress.best_value, progress.best_step = record[metric], progress.step
     progress.history.append(record)
-    checkpoint.save({**averaged, "progress": progress.to_dict()}, run.checkpoint("best"))
-    checkpoint.save({**last, "progress": progress.to_dict()}, run.checkpoint("last"))
-    with RunLog(run, None, cfg.train.tensorboard) as runlog:
-        runlog.record(record)
-        runlog.info("validation: %s", json.dumps(record))
+    with signals_deferred():  # best.pt, last.pt and metrics.jsonl tell one story
+        checkpoint.save({**averaged, "progress": progress.to_dict()}, run.checkpoint("best"))
+        checkpoint.save({**last, "progress": progress.to_dict()}, run.checkpoint("last"))
+        with RunLog(run, None, cfg.train.tensorboard) as runlog:
+            runlog.record(record)
+            runlog.info("validation: %s", json.dumps(record))
     return record, True
 
 
@@ -929,7 +953,8 @@ def train_loop(
                     window.reset()
         if runlog is not None:
             runlog.info("end: %s at step %d", stop_reason, progress.step)
-    return Result(run.path, progress, stop_reason, progress.step - first_step)
+    received = signals.received if stop_reason.startswith(INTERRUPTED) else None
+    return Result(run.path, progress, stop_reason, progress.step - first_step, received)
 
 
 def measure(meter: StepMeter, window: LogWindow, progress: TrainProgress) -> int:

@@ -7,6 +7,7 @@ import gzip
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -360,3 +361,25 @@ def test_report_numbers_are_finite(seeded):
             for metric in ("bleu", "chrf"):
                 m = s["test"][split][metric]
                 assert all(math.isfinite(m[k]) for k in ("mean", "sd", "min", "max"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_a_run_trains_stops_compare_as_an_interruption(sig, tmp_path):
+    """Ctrl-C (or SIGTERM) while one of the runs trains: it saves where it was and the
+    comparison stops with 130 (143), saying how to go on; it exited 2 with "error:", the code
+    of a user's mistake."""
+    from conftest import start_nmt, wait_until
+
+    out = tmp_path / "cmp"
+    sets = ("--set", "train.max_steps=100000", "--set", "train.save_every=5")
+    proc = start_nmt("compare", RECIPES[2], "--out", out, *sets)
+    wait_until(lambda: any(out.glob("runs/*/checkpoints/step-5.pt")), proc, timeout=300)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + sig, stderr
+    assert "error:" not in stderr and "Traceback" not in stderr
+    assert "run the same nmt compare command again to resume it" in stderr
+    said = "terminated" if sig == signal.SIGTERM else "interrupted"
+    assert stderr.rstrip().endswith(said)
+    (run,) = out.glob("runs/*")
+    assert RunDir(run).state().kind == "resumable"

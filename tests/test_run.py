@@ -413,3 +413,167 @@ def test_readers_need_no_lock(tmp_path):
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
+
+
+# -- what killed, interrupted or edited runs leave ---------------------------------------------
+
+
+def test_a_run_whose_config_yaml_is_gone_is_not_resumed_with_the_recipe(tmp_path):
+    """Without config.yaml a resume trained on under the recipe's settings (another lr,
+    silently written into config.yaml and last.pt): refused in one line, nothing written."""
+    trained, _ = tiny_run("transformer", 40)
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    (run / "config.yaml").unlink()
+    before = files_of(run)
+    res = run_nmt("train", TINY, "--run-dir", run, "--resume", "--set", "train.max_steps=45")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "holds checkpoints but no config.yaml of nmt's" in res.stderr
+    assert files_of(run) == before
+
+
+def test_a_last_pt_of_a_run_on_other_data_is_not_resumed(tmp_path):
+    """The data and tokenizer a checkpoint's token ids are of are checked on resume, not only
+    its model section; where and how the data is read (data.num_proc...) may differ."""
+    from nmt.train import check_resumable
+
+    trained, cfg = tiny_run("transformer", 40)
+    last = trained / "checkpoints" / "last.pt"
+    check_resumable(last, config.replace(cfg, ["data.num_proc=2", "train.max_steps=80"]))
+    for change, key in (
+        ("data.limit_train=1500", "data.limit_train"),
+        ("tokenizer.vocab_size=999", "tokenizer.vocab_size"),
+    ):
+        with pytest.raises(NMTError, match=f"its {key} is"):
+            check_resumable(last, config.replace(cfg, [change]))
+
+
+def test_checkpoints_read_from_elsewhere_still_average(tmp_path):
+    """A run resumed with data.num_proc changed (a key a resume may change) saves
+    checkpoints that differ there only: they average (refused before, and train.average_last
+    failed at the very end of such a run)."""
+    trained, _ = tiny_run("transformer", 40)
+    a, b = sorted((trained / "checkpoints").glob("step-*.pt"))
+    payload = checkpoint.load(b)
+    payload["config"]["data"]["num_proc"] = 2
+    moved = tmp_path / "step-moved.pt"
+    checkpoint.save(payload, moved)
+    averaged = checkpoint.average([a, moved])
+    assert sorted(averaged["model"]) == sorted(payload["model"])
+
+
+def test_signals_wait_for_files_that_change_together():
+    """signals_deferred: a Ctrl-C inside the scope (nmt average writing best.pt, last.pt and
+    metrics.jsonl) is delivered when the scope ends, not in between."""
+    from nmt.train import signals_deferred
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("first")
+            done.append("second")
+    assert done == ["first", "second"]
+
+
+def test_a_record_after_a_line_cut_short_is_kept(tmp_path):
+    """A kill mid-write leaves half a line in metrics.jsonl, which reading drops; a record
+    appended after it (nmt average's) was joined to that half line and dropped with it."""
+    from nmt.run import RunLog, read_metrics
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    whole = [{"kind": "train", "step": s, "loss": 2.0} for s in (10, 20)]
+    run.metrics_file.write_text("".join(json.dumps(r) + "\n" for r in whole) + '{"kind": "tr')
+    with RunLog(run, None, False) as log:
+        log.record({"kind": "valid", "step": 20, "loss": 1.5})
+    assert read_metrics(run.metrics_file) == [*whole, {"kind": "valid", "step": 20, "loss": 1.5}]
+
+
+def test_the_next_writer_removes_what_a_killed_save_left(tmp_path):
+    """A save killed mid-write leaves .NAME.pt.tmp-PID: removed by the next writer of the run
+    (another process's, still writing, kept); a run holding only such a file has no
+    checkpoint (it was refused as a trained run with another config)."""
+    run = RunDir(tmp_path / "run")
+    assert run_nmt("prepare", TINY, "--run-dir", run.path).returncode == 0
+    run.checkpoints_dir.mkdir()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    left = run.checkpoints_dir / f".last.pt.tmp-{dead.stdout.strip()}"
+    left.write_bytes(b"half a checkpoint")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        busy = run.checkpoints_dir / f".step-5.pt.tmp-{sleeper.pid}"
+        busy.write_bytes(b"being written")
+        assert not run.trained()
+        with run.writer():
+            pass
+        assert not left.exists() and busy.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    res = run_nmt("prepare", TINY, "--run-dir", run.path, "--set", "train.lr=0.001")
+    assert res.returncode == 0, res.stderr
+
+
+def test_prepare_removes_the_work_a_killed_prepare_left(tmp_path, monkeypatch):
+    """SIGTERM and SIGKILL run no cleanup: a prepare killed midway left its work folder in
+    the cache for good; the next preparation of that data removes it."""
+    from nmt.data.prepare import prepared_dir
+
+    monkeypatch.setenv("NMT_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = config.load(TINY, ["data.limit_train=300"])
+    final = prepared_dir(cfg)
+    left = final.parent / f".tmp-{final.name}-99999999"
+    left.mkdir(parents=True)
+    (left / "half.arrow").write_bytes(b"x" * 100)
+    assert not prepare(cfg).reused
+    assert not left.exists()
+
+
+def test_the_lock_of_a_run_one_may_only_read_is_checked_read_only(tmp_path):
+    """check_not_written (nmt compare reusing a finished run, a quick check before work)
+    opened RUN/.lock for writing: refused with Permission denied on a run of another user."""
+    shared = Path(tempfile.mkdtemp())
+    try:
+        shared.chmod(0o755)
+        (shared / ".lock").write_text("")
+        (shared / ".lock").chmod(0o644)
+        code = (
+            "import os, sys\n"
+            "from nmt.run import RunDir\n"
+            "if os.geteuid() == 0:\n"
+            "    os.setgid(65534); os.setuid(65534)\n"
+            "RunDir(sys.argv[1]).check_not_written()\n"
+            "print('checked')\n"
+        )
+        res = subprocess.run(
+            [sys.executable, "-c", code, str(shared)],
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+        )
+        assert res.returncode == 0 and res.stdout == "checked\n", res.stderr
+    finally:
+        shutil.rmtree(shared)
+
+
+def test_prepare_refuses_a_busy_run_before_preparing(tmp_path, monkeypatch):
+    """nmt prepare on a run another process writes: refused before the data is prepared
+    (minutes of a tokenizer's training on a real corpus, thrown away)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("NMT_CACHE_DIR", str(cache))
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = holding(run)
+    try:
+        res = run_nmt("prepare", TINY, "--run-dir", run)
+        assert res.returncode == 2 and f"pid {holder.pid}" in res.stderr
+        assert not (cache / "prepared").exists() or not any((cache / "prepared").iterdir())
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()

@@ -170,8 +170,11 @@ def prepare(cfg: Config) -> Prepared:
 
 
 def _prepare_locked(cfg: Config, final: Path) -> Prepared:
+    # Under the lock no other process prepares this data: any work folder of it is what a
+    # process killed while preparing left (SIGTERM and SIGKILL run no cleanup).
+    for stale in final.parent.glob(f".tmp-{final.name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     work = final.parent / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     try:
         summary = {"key": final.name, **_prepare_into(cfg, work)}
