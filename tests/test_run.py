@@ -40,6 +40,23 @@ def holding(run: Path) -> subprocess.Popen:
     return proc
 
 
+def as_nobody(code: str, *args) -> subprocess.CompletedProcess:
+    """`code` in a fresh Python where NOBODY() becomes the unprivileged user nobody when
+    running as root (call it after the imports: root's Python is not readable by nobody)."""
+    become = (
+        "import os, sys\n"
+        "def NOBODY():\n"
+        "    if os.geteuid() == 0:\n"
+        "        os.setgid(65534); os.setuid(65534)\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", become + code, *map(str, args)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+    )
+
+
 def files_of(run: Path) -> dict[Path, bytes]:
     return {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
 
@@ -271,24 +288,17 @@ def test_a_replaced_output_keeps_its_permissions_and_a_read_only_one_is_left_alo
         kept = shared / "kept.txt"
         kept.write_text("precious\n")
         kept.chmod(0o444)
-        code = (  # imported as root, then the user nobody (root may write any file)
-            "import os, sys\n"
+        code = (  # root may write any file
             "from nmt import NMTError\n"
             "from nmt.files import replacing\n"
-            "if os.geteuid() == 0:\n"
-            "    os.setgid(65534); os.setuid(65534)\n"
+            "NOBODY()\n"
             "try:\n"
             "    with replacing(sys.argv[1]) as f:\n"
             "        f.write('clobbered\\n')\n"
             "except NMTError as e:\n"
             "    print(e)\n"
         )
-        res = subprocess.run(
-            [sys.executable, "-c", code, str(kept)],
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
-            capture_output=True,
-            text=True,
-        )
+        res = as_nobody(code, kept)
         assert res.returncode == 0, res.stderr
         assert res.stdout.strip() == (
             f"cannot write --output {kept}: it is read-only; make it writable or write elsewhere"
@@ -543,20 +553,8 @@ def test_the_lock_of_a_run_one_may_only_read_is_checked_read_only(tmp_path):
         shared.chmod(0o755)
         (shared / ".lock").write_text("")
         (shared / ".lock").chmod(0o644)
-        code = (
-            "import os, sys\n"
-            "from nmt.run import RunDir\n"
-            "if os.geteuid() == 0:\n"
-            "    os.setgid(65534); os.setuid(65534)\n"
-            "RunDir(sys.argv[1]).check_not_written()\n"
-            "print('checked')\n"
-        )
-        res = subprocess.run(
-            [sys.executable, "-c", code, str(shared)],
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            capture_output=True,
-            text=True,
-        )
+        code = "from nmt.run import RunDir\nNOBODY()\nRunDir(sys.argv[1]).check_not_written()\n"
+        res = as_nobody(code + "print('checked')\n", shared)
         assert res.returncode == 0 and res.stdout == "checked\n", res.stderr
     finally:
         shutil.rmtree(shared)
