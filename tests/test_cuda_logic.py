@@ -192,6 +192,71 @@ def test_a_training_step_reads_nothing_back_from_the_device(monkeypatch):
     assert torch.isfinite(result.loss) and not result.bad and not result.skipped
 
 
+def rnn_encoder_batch(cell: str = "gru"):
+    """A 2-layer bidirectional RNN encoder and a batch of 13 sources of lengths 1-9, the
+    lengths on the host as training passes them."""
+    torch.manual_seed(0)
+    enc = layers.RNNEncoder(50, 16, 24, 2, cell, True, 0.0)
+    lengths = torch.tensor([9, 3, 5, 5, 1, 9, 7, 2, 5, 8, 3, 6, 9])
+    src = torch.randint(4, 50, (13, 9))
+    mask = torch.arange(9)[None] < lengths[:, None]
+    return enc, src.masked_fill(~mask, 0), mask, lengths
+
+
+def test_the_rnn_encoder_sends_nothing_to_the_device_and_reads_nothing_back(monkeypatch):
+    """Packing with enforce_sorted=False copies its sort order to the device (a blocking copy
+    from unpinned memory) and reads it back (.cpu()): two waits for the GPU at every step of
+    the RNN architectures. The encoder sorts on the host itself; no tensor crosses devices
+    in its forward (on CUDA the order goes pinned and non-blocking, tests/test_gpu.py)."""
+    enc, src, mask, lengths = rnn_encoder_batch()
+    crossings = []
+    real_to, real_cpu = torch.Tensor.to, torch.Tensor.cpu
+
+    def to(self, *args, **kwargs):
+        if any(isinstance(a, (torch.device, str)) for a in (*args, *kwargs.values())):
+            crossings.append(("to", args, kwargs))
+        return real_to(self, *args, **kwargs)
+
+    def cpu(self, *args, **kwargs):
+        crossings.append(("cpu",))
+        return real_cpu(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "to", to)
+        m.setattr(torch.Tensor, "cpu", cpu)
+        out, final = enc(src, mask, lengths)
+    assert crossings == []
+    assert out.shape == (13, 9, 48) and final.shape == (13, 48)
+
+
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_the_rnn_encoder_sorting_itself_gives_packings_results(cell):
+    """The same outputs, final states and gradients, bit for bit, as pack_padded_sequence
+    sorting the batch (enforce_sorted=False), in fp32 and under bf16 autocast."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    enc, src, mask, lengths = rnn_encoder_batch(cell)
+
+    def packing_sorts():
+        x = enc.embed(src)
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, hidden, _ = enc.rnn(packed)
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=src.size(1))
+        top = hidden[:, -enc.dirs :, :]
+        return out, top.reshape(top.size(0), enc.out_dim)
+
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            expected, ours = packing_sorts(), enc(src, mask, lengths)
+        for a, b in zip(expected, ours):
+            assert torch.equal(a, b)
+        grads = [
+            torch.autograd.grad(sum(t.float().sum() for t in pair), list(enc.parameters()))
+            for pair in (expected, ours)
+        ]
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_the_meter_counts_consecutive_bad_and_skipped_steps():
     meter = StepMeter(torch.device("cpu"))
 

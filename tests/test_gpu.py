@@ -100,6 +100,28 @@ def test_autocast_computes_in_half_precision_on_fp32_master_weights(arch, precis
         assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_the_rnn_encoder_never_waits_for_the_gpu(cell):
+    """Its forward and backward with the lengths on the host, as training passes them, run
+    no synchronizing CUDA operation (packing's own sorting made two at every step)."""
+    from nmt.models.layers import RNNEncoder
+
+    torch.manual_seed(0)
+    enc = RNNEncoder(50, 16, 24, 2, cell, True, 0.1).to(CUDA).train()
+    lengths = torch.tensor([9, 3, 5, 5, 1, 9, 7, 2, 5, 8, 3, 6, 9])
+    src = torch.randint(4, 50, (13, 9)).pin_memory().to(CUDA, non_blocking=True)
+    mask = (torch.arange(9)[None] < lengths[:, None]).pin_memory().to(CUDA, non_blocking=True)
+    enc(src, mask, lengths)  # cuDNN's first call sets itself up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, final = enc(src, mask, lengths)
+        (out.sum() + final.sum()).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out).all() and out.shape == (13, 9, 48)
+
+
 def test_fp16_scaler_skips_an_overflowing_step_and_halves_its_scale():
     trainee, batches, cfg = trainee_on_gpu("transformer", "fp16")
     train_step(trainee, batches[:1], batches[0].tgt_tokens, cfg.train)

@@ -460,11 +460,23 @@ class RNNEncoder(nn.Module):
         """
         x = self.dropout(self.embed(src))  # [B,S,E]
         lengths = src_mask.sum(1).cpu() if src_lengths is None else src_lengths
-        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        # Sorted longest first here, as pack_padded_sequence sorts them itself (enforce_sorted
+        # False: the same torch.sort, the same order), but with the order sent to the device
+        # ahead (pinned, non-blocking): its own copies it there and back, two waits for the
+        # GPU at every step. The outputs and states are put back in the batch's order.
+        lengths, order = torch.sort(torch.as_tensor(lengths, dtype=torch.int64), descending=True)
+        if x.is_cuda:
+            order = order.pin_memory().to(x.device, non_blocking=True)
+        restore = torch.empty_like(order).scatter_(
+            0, order, torch.arange(order.numel(), device=order.device)
+        )
+        packed = pack_padded_sequence(
+            x.index_select(0, order), lengths, batch_first=True, enforce_sorted=True
+        )
         out, hidden, _ = self.rnn(packed)
-        out, _ = pad_packed_sequence(
-            out, batch_first=True, total_length=src.size(1)
-        )  # [B,S,dirs*H]
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=src.size(1))
+        out = out.index_select(0, restore)  # [B,S,dirs*H]
+        hidden = hidden.index_select(0, restore)  # [B,L*dirs,H]
         top = hidden[:, -self.dirs :, :]  # [B,dirs,H] last layer, each direction
         final = top.reshape(top.size(0), self.out_dim)  # [B,dirs*H]
         return self.dropout(out), final
