@@ -759,6 +759,7 @@ def validate_average(
     if precision == "fp16" and device.type != "cuda":
         precision = "fp32"
     precision = resolve_precision(precision, device)
+    configure_device(device, cfg.train.tf32)  # as training validated
     record = validate(model, prepared, prepared.split("valid"), cfg, device, precision)
     last = checkpoint.load(run.checkpoint("last"))
     progress = TrainProgress.from_dict(last["progress"])

@@ -89,9 +89,13 @@ def read_run(path: Path) -> tuple[Path, dict[str, Any], Config, Tokenizer]:
 
 def load_model(path: Path, device: torch.device) -> Loaded:
     """Model, config and tokenizer from a run directory or a checkpoint file, on `device`
-    (with the process settings for it, `configure_device`)."""
-    configure_device(device)
+    (with the process settings for it, `configure_device`: on CUDA fp32 products on
+    TensorFloat-32 units as the run's train.tf32 says, as it trained and validated)."""
+    if device.type != "cuda":
+        configure_device(device)  # the host's settings, before the checkpoint is read
     ckpt, payload, cfg, tokenizer = read_run(path)
+    if device.type == "cuda":
+        configure_device(device, cfg.train.tf32)
     model = build_model(payload["arch"], cfg.model, Vocab(**payload["vocab"]))
     model.load_state_dict(payload["model"])
     model.to(device).eval()

@@ -70,19 +70,33 @@ def test_host_tuning_is_for_the_cpu_only(monkeypatch):
     monkeypatch.setattr(nmt_device, "configure_host", lambda: calls.append("host"))
     nmt_device.configure_device(torch.device("cpu"))
     assert calls == ["host"]
-    before = torch.backends.cuda.matmul.fp32_precision
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch < 2.9
+        pytest.skip("this torch sets TF32 through allow_tf32: the test below")
+    settings = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn)
+    before = [s.fp32_precision for s in settings]
     try:
         nmt_device.configure_device(CUDA0, tf32=True)
         assert calls == ["host"]  # a GPU run gets no malloc or denormal settings
-        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
-        assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+        assert [s.fp32_precision for s in settings] == ["tf32"] * 3
         nmt_device.configure_device(CUDA0, tf32=False)  # train.tf32=false
-        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+        assert [s.fp32_precision for s in settings] == ["ieee"] * 3
         assert torch.backends.mkldnn.matmul.fp32_precision in ("none", "ieee")  # CPU untouched
     finally:
-        torch.backends.cuda.matmul.fp32_precision = before
-        torch.backends.cudnn.conv.fp32_precision = before
-        torch.backends.cudnn.rnn.fp32_precision = before
+        for setting, value in zip(settings, before):
+            setting.fp32_precision = value
+
+
+def test_tf32_on_a_torch_without_fp32_precision(monkeypatch):
+    """torch before 2.9 (the CUDA 12.4 wheels stop at 2.6) has allow_tf32 flags only."""
+    import types
+
+    matmul, cudnn = types.SimpleNamespace(allow_tf32=False), types.SimpleNamespace(allow_tf32=False)
+    monkeypatch.setattr(torch.backends.cuda, "matmul", matmul)
+    monkeypatch.setattr(nmt_device.torch.backends, "cudnn", cudnn)
+    nmt_device.configure_device(CUDA0, tf32=True)
+    assert matmul.allow_tf32 and cudnn.allow_tf32
+    nmt_device.configure_device(CUDA0, tf32=False)
+    assert not matmul.allow_tf32 and not cudnn.allow_tf32
 
 
 def test_deterministic_algorithms_for_a_scope():

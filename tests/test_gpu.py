@@ -122,6 +122,23 @@ def test_the_rnn_encoder_never_waits_for_the_gpu(cell):
     assert torch.isfinite(out).all() and out.shape == (13, 9, 48)
 
 
+@pytest.mark.parametrize("tf32", [True, False])
+def test_a_run_decodes_in_fp32_as_its_train_tf32_says(tmp_path, tf32):
+    """Loading a run for decoding sets TensorFloat-32 as the run trained (it was always on:
+    fp32 decoding of a train.tf32=false run was not true fp32)."""
+    cfg = tiny("transformer", f"train.tf32={str(tf32).lower()}", "train.max_steps=2")
+    run = tmp_path / "run"
+    attach(prepare(cfg), cfg, run)
+    train(cfg, run)
+    nmt_device_flag = torch.backends.cuda.matmul
+    load_model(run, torch.device("cpu"))  # the host's settings only
+    load_model(run, CUDA)
+    if hasattr(nmt_device_flag, "fp32_precision"):
+        assert nmt_device_flag.fp32_precision == ("tf32" if tf32 else "ieee")
+    else:
+        assert nmt_device_flag.allow_tf32 == tf32
+
+
 def test_fp16_scaler_skips_an_overflowing_step_and_halves_its_scale():
     trainee, batches, cfg = trainee_on_gpu("transformer", "fp16")
     train_step(trainee, batches[:1], batches[0].tgt_tokens, cfg.train)
