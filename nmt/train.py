@@ -381,7 +381,8 @@ def device_steps(
 ) -> Iterator[tuple[list[Batch], int]]:
     """The micro-batches of each step on the device, with the step's token count. On CUDA
     they are collated into pinned memory and their copies queued one step ahead, so the
-    host never waits for a copy and the next step's batches travel while this one runs."""
+    host never waits for a copy (collating the next step while the GPU works on this one);
+    the copies run on the compute stream, between the steps' kernels, not beside them."""
     pin = device.type == "cuda"
     pending = None
     for indices, tokens in steps:
