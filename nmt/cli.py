@@ -296,8 +296,6 @@ def train(
     reporter = RichReporter() if rank == 0 else None
     try:
         result = run_train(cfg, run.path, resume=resume, reporter=reporter)
-        if reporter:
-            reporter.finish(result.progress)
     finally:
         if reporter:
             reporter.stop()

@@ -200,7 +200,8 @@ def _check_out(out: Path) -> None:
     if not any((out / name).exists() for name in ("report.md", "report.json")):
         return
     try:
-        ours = "systems" in json.loads((out / "report.json").read_text(encoding="utf-8"))
+        report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+        ours = isinstance(report, dict) and "systems" in report
     except (OSError, ValueError, TypeError):
         ours = False
     if not ours:

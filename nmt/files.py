@@ -59,12 +59,18 @@ def alive(pid: int) -> bool:
     return True
 
 
+def is_temporary(name: str) -> bool:
+    """Whether `name` is a temporary file's, as `write_atomic`, `replacing` and checkpoint
+    saves name them: `.NAME.tmp-PID`."""
+    return name.startswith(".") and name.rpartition(".tmp-")[2].isdecimal()
+
+
 def remove_stale_temporaries(folder: Path) -> None:
-    """The temporary files (`.NAME.tmp-PID`, as `write_atomic`, `replacing` and checkpoint
-    saves name them) in `folder` whose process is gone: killed while it wrote them."""
+    """The temporary files (`is_temporary`) in `folder` whose process is gone: killed while
+    it wrote them."""
     for leftover in Path(folder).glob(".*.tmp-*"):
         pid = leftover.name.rpartition(".tmp-")[2]
-        if pid.isdecimal() and int(pid) != os.getpid() and not alive(int(pid)):
+        if is_temporary(leftover.name) and int(pid) != os.getpid() and not alive(int(pid)):
             if leftover.is_file() and not leftover.is_symlink():
                 leftover.unlink(missing_ok=True)
 

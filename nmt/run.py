@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from nmt import NMTError
 from nmt.config import DATA_LOCATION, Config, ConfigError, TrainConfig, read_yaml
-from nmt.files import remove_stale_temporaries, write_atomic
+from nmt.files import is_temporary, remove_stale_temporaries, write_atomic
 
 if TYPE_CHECKING:
     from nmt.data.prepare import Prepared
@@ -233,7 +233,8 @@ class RunDir:
     def _holds_a_run(self) -> bool:
         """Empty (but for the writer lock), or holding the config.yaml nmt writes: a mapping
         of recipe sections."""
-        if {p.name for p in self.path.iterdir()} <= {self.lock_file.name}:
+        names = {p.name for p in self.path.iterdir()} - {self.lock_file.name}
+        if all(is_temporary(name) for name in names):  # nothing but nmt's own, being written
             return True
         try:
             stored = read_yaml(self.config_file)

@@ -109,6 +109,7 @@ class Reporter(Protocol):
     def log(self, record: dict[str, Any]) -> None: ...
     def validation(self, record: dict[str, Any]) -> None: ...
     def message(self, text: str) -> None: ...
+    def finish(self, progress: TrainProgress) -> None: ...
 
 
 class NullReporter:
@@ -125,6 +126,9 @@ class NullReporter:
         pass
 
     def message(self, text: str) -> None:
+        pass
+
+    def finish(self, progress: TrainProgress) -> None:
         pass
 
 
@@ -819,7 +823,9 @@ def train(
         held.callback(distributed.leave, world)
         configure_device(device, t.tf32)
         held.enter_context(deterministic_algorithms(t.deterministic))
-        return train_loop(cfg, run, prepared, precision, world, start, device, reporter)
+        result = train_loop(cfg, run, prepared, precision, world, start, device, reporter)
+        reporter.finish(result.progress)  # where training ended (between log records too)
+        return result
 
 
 def train_loop(

@@ -87,15 +87,22 @@ def read_run(path: Path) -> tuple[Path, dict[str, Any], Config, Tokenizer]:
     return ckpt, payload, from_dict(payload["config"]), Tokenizer.from_dir(tok_dir)
 
 
+_TRUE_FP32: set[Path] = set()  # checkpoints loaded on CUDA whose run asked for true fp32
+
+
 def load_model(path: Path, device: torch.device) -> Loaded:
     """Model, config and tokenizer from a run directory or a checkpoint file, on `device`
     (with the process settings for it, `configure_device`: on CUDA fp32 products on
-    TensorFloat-32 units as the run's train.tf32 says, as it trained and validated)."""
+    TensorFloat-32 units as the run's train.tf32 says, as it trained and validated; the
+    setting is the process', so once a model that asks for true fp32 is loaded, every model
+    the process decodes gets it: an ensemble's, a server's)."""
     if device.type != "cuda":
         configure_device(device)  # the host's settings, before the checkpoint is read
     ckpt, payload, cfg, tokenizer = read_run(path)
     if device.type == "cuda":
-        configure_device(device, cfg.train.tf32)
+        if not cfg.train.tf32:
+            _TRUE_FP32.add(Path(ckpt))
+        configure_device(device, tf32=not _TRUE_FP32)
     model = build_model(payload["arch"], cfg.model, Vocab(**payload["vocab"]))
     model.load_state_dict(payload["model"])
     model.to(device).eval()

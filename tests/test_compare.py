@@ -272,6 +272,9 @@ def test_compare_refuses_bad_options_before_any_work(tmp_path):
     assert res.returncode == 2 and "holds a report.md or report.json nmt compare" in res.stderr
     assert [p.name for p in notes.iterdir()] == ["report.md"]
     assert (notes / "report.md").read_text() == "my notes\n"
+    (notes / "report.json").write_text('"systems to try: transformer, rnn"')  # JSON, not ours
+    res = nmt("compare", RECIPES[0], "--out", notes)
+    assert res.returncode == 2 and "holds a report.md or report.json nmt compare" in res.stderr
     out = tmp_path / "cmp"
     for args, message in (
         (("--bootstrap-samples", "0"), "--bootstrap-samples must be >= 1"),

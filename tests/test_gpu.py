@@ -122,21 +122,38 @@ def test_the_rnn_encoder_never_waits_for_the_gpu(cell):
     assert torch.isfinite(out).all() and out.shape == (13, 9, 48)
 
 
-@pytest.mark.parametrize("tf32", [True, False])
-def test_a_run_decodes_in_fp32_as_its_train_tf32_says(tmp_path, tf32):
+def test_a_run_decodes_in_fp32_as_its_train_tf32_says(tmp_path):
     """Loading a run for decoding sets TensorFloat-32 as the run trained (it was always on:
-    fp32 decoding of a train.tf32=false run was not true fp32)."""
-    cfg = tiny("transformer", f"train.tf32={str(tf32).lower()}", "train.max_steps=2")
-    run = tmp_path / "run"
-    attach(prepare(cfg), cfg, run)
-    train(cfg, run)
-    nmt_device_flag = torch.backends.cuda.matmul
-    load_model(run, torch.device("cpu"))  # the host's settings only
-    load_model(run, CUDA)
-    if hasattr(nmt_device_flag, "fp32_precision"):
-        assert nmt_device_flag.fp32_precision == ("tf32" if tf32 else "ieee")
-    else:
-        assert nmt_device_flag.allow_tf32 == tf32
+    fp32 decoding of a train.tf32=false run was not true fp32); in a process that loads
+    several (an ensemble, a server), one asking for true fp32 gets it for all. Each case in a
+    fresh process: the setting is the process'."""
+    runs = {}
+    for tf32 in (True, False):
+        cfg = tiny("transformer", f"train.tf32={str(tf32).lower()}", "train.max_steps=2")
+        runs[tf32] = tmp_path / f"run-{tf32}"
+        attach(prepare(cfg), cfg, runs[tf32])
+        train(cfg, runs[tf32])
+    code = (
+        "import sys, torch\n"
+        "from nmt.translate import load_model\n"
+        "for path in sys.argv[1:]:\n"
+        "    load_model(path, torch.device('cuda'))\n"
+        "m = torch.backends.cuda.matmul\n"
+        "on = m.fp32_precision == 'tf32' if hasattr(m, 'fp32_precision') else m.allow_tf32\n"
+        "print('tf32' if on else 'fp32')\n"
+    )
+    for order, expected in (
+        ([True], "tf32"),
+        ([False], "fp32"),
+        ([False, True], "fp32"),
+        ([True, False], "fp32"),
+    ):
+        res = subprocess.run(
+            [sys.executable, "-c", code, *(str(runs[t]) for t in order)],
+            capture_output=True,
+            text=True,
+        )
+        assert res.returncode == 0 and res.stdout.strip() == expected, (order, res.stderr)
 
 
 def test_fp16_scaler_skips_an_overflowing_step_and_halves_its_scale():

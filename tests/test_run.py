@@ -523,6 +523,13 @@ def test_the_next_writer_removes_what_a_killed_save_left(tmp_path):
         with run.writer():
             pass
         assert not left.exists() and busy.exists()
+        # a new run's folder while its first config.yaml is being written (another rank of a
+        # distributed run checks it then): nmt's own, not the user's
+        new = RunDir(tmp_path / "new")
+        new.path.mkdir()
+        (new.path / ".lock").write_text("")
+        (new.path / f".config.yaml.tmp-{sleeper.pid}").write_text("data:\n")
+        new.check_is_dir()
     finally:
         sleeper.kill()
         sleeper.wait()
@@ -541,8 +548,17 @@ def test_prepare_removes_the_work_a_killed_prepare_left(tmp_path, monkeypatch):
     left = final.parent / f".tmp-{final.name}-99999999"
     left.mkdir(parents=True)
     (left / "half.arrow").write_bytes(b"x" * 100)
-    assert not prepare(cfg).reused
-    assert not left.exists()
+    # a live process' work folder is left alone: a preparer that got the lock after its
+    # holder ended (the lock file is unlinked then) while another still works
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        working = final.parent / f".tmp-{final.name}-{sleeper.pid}"
+        working.mkdir()
+        assert not prepare(cfg).reused
+        assert not left.exists() and working.is_dir()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_the_lock_of_a_run_one_may_only_read_is_checked_read_only(tmp_path):

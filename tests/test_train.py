@@ -971,6 +971,22 @@ def test_cosine_reaches_min_lr_at_the_first_budget_to_end(tmp_path):
     assert rates[-1] == pytest.approx(0.0, abs=1e-12) and max(rates) > 1e-4
 
 
+def test_the_reporter_hears_where_training_ended(tmp_path):
+    """`Reporter.finish` gets the final progress (nmt train's and nmt compare's bars moved at
+    log records only: a 5-step budget logging every 10 steps ended at 0%)."""
+    from nmt.train import NullReporter
+
+    class Finish(NullReporter):
+        def finish(self, progress) -> None:
+            ended.append(progress.step)
+
+    ended = []
+    cfg = tiny("transformer", "train.precision=fp32", "train.max_steps=5", "train.log_every=10")
+    attach(prepare(cfg), cfg, tmp_path / "run")
+    train(cfg, tmp_path / "run", reporter=Finish())
+    assert ended == [5]
+
+
 def test_a_records_rate_covers_the_steps_since_the_last_record_validation_or_save(tmp_path):
     """`rate_tokens`: the target tokens a train record's tokens_per_s and step_seconds cover.
     The tokens since the last record, except where a validation fell in between (here at

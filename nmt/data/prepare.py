@@ -32,6 +32,7 @@ from nmt.data.sources import (
     resolve_text,
 )
 from nmt.data.tokenizer import Encoder, Tokenizer, train_tokenizer
+from nmt.files import alive
 
 if TYPE_CHECKING:  # imported where data is prepared: reusing prepared data never needs it
     import datasets
@@ -170,10 +171,13 @@ def prepare(cfg: Config) -> Prepared:
 
 
 def _prepare_locked(cfg: Config, final: Path) -> Prepared:
-    # Under the lock no other process prepares this data: any work folder of it is what a
-    # process killed while preparing left (SIGTERM and SIGKILL run no cleanup).
+    # What a process killed while preparing this data left (SIGTERM and SIGKILL run no
+    # cleanup): work folders of processes that are gone. A live one may still be working
+    # (the lock file is unlinked when its holder ends: a newcomer can hold a new one).
     for stale in final.parent.glob(f".tmp-{final.name}-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+        pid = stale.name.rpartition("-")[2]
+        if pid.isdecimal() and (int(pid) == os.getpid() or not alive(int(pid))):
+            shutil.rmtree(stale, ignore_errors=True)
     work = final.parent / f".tmp-{final.name}-{os.getpid()}"
     work.mkdir(parents=True)
     try:
