@@ -824,7 +824,9 @@ def train(
         configure_device(device, t.tf32)
         held.enter_context(deterministic_algorithms(t.deterministic))
         result = train_loop(cfg, run, prepared, precision, world, start, device, reporter)
-        reporter.finish(result.progress)  # where training ended (between log records too)
+        finish = getattr(reporter, "finish", None)  # (a reporter written before it: none)
+        if finish is not None:
+            finish(result.progress)  # where training ended (between log records too)
         return result
 
 
