@@ -843,7 +843,8 @@ def average(
             raise NMTError(
                 f"--output {target} is the run's {kind}.pt ({reason}); give another file name"
             )
-    mine = target.resolve().parent == runs.checkpoints_dir.resolve()
+    folder = target.resolve().parent
+    mine = folder == runs.checkpoints_dir.resolve()
     if target.exists() and not mine:  # elsewhere, only an nmt checkpoint is written over
         try:
             checkpoint.load(target, mmap=True)
@@ -851,13 +852,12 @@ def average(
             raise NMTError(
                 f"--output {target} exists and is not an nmt checkpoint; give another file name"
             ) from None
-    owner = RunDir.of_checkpoint(target)
-    if owner.checkpoints_dir == target.resolve().parent and owner.config_file.is_file():
-        if owner.path != runs.path.resolve():
-            raise NMTError(
-                f"--output {target} is in another run's checkpoints ({owner.path}); write "
-                f"the average of {run} in its own checkpoints folder or outside any run"
-            )
+    owner = RunDir(folder.parent)
+    if not mine and folder == owner.checkpoints_dir and owner.config_file.is_file():
+        raise NMTError(
+            f"--output {target} is in another run's checkpoints ({owner.path}); write "
+            f"the average of {run} in its own checkpoints folder or outside any run"
+        )
     if any(target.resolve() == Path(p).resolve() for p in paths):
         raise NMTError(
             f"--output {target} is one of the checkpoints averaged; give another file name"

@@ -459,12 +459,12 @@ class RunLog:
 
     def __init__(self, run: RunDir, start_step: int | None, tensorboard: bool) -> None:
         run.path.mkdir(parents=True, exist_ok=True)
+        keep = None  # the records to write anew, when some are dropped
         if start_step is not None and run.metrics_file.is_file():
             keep = [r for r in run.metrics() if r["step"] <= start_step] if start_step else []
-            write_atomic(run.metrics_file, "".join(json.dumps(r) + "\n" for r in keep))
         elif run.metrics_file.is_file() and not _ends_a_line(run.metrics_file):
-            # half a line a killed run left: dropped (as reading drops it), not appended to
-            keep = run.metrics()
+            keep = run.metrics()  # half a line a killed run left: dropped, as reading drops it
+        if keep is not None:
             write_atomic(run.metrics_file, "".join(json.dumps(r) + "\n" for r in keep))
         self._metrics = open(run.metrics_file, "a", encoding="utf-8")  # noqa: SIM115
         self._logger = logging.getLogger(f"nmt.run.{run.path.resolve()}")
