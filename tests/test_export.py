@@ -404,30 +404,30 @@ def ct2_int8_saturates() -> bool:
     return "GenuineIntel" not in cpuinfo and "avx2" in flags and not vnni
 
 
-def ct2_translations_on_mkl(run: Path, quantization: str, sources: list[str]) -> list[str]:
-    """CTranslate2's greedy translations of `sources` computed on Intel MKL (CT2_USE_MKL=1,
-    read once per process, so in a process of their own)."""
+def ct2_translations_on_mkl(run: Path, quantization: str, sources: list[str], opts) -> list[str]:
+    """CTranslate2's translations of `sources` with search options `opts`, its products
+    computed on Intel MKL (CT2_USE_MKL=1, which CTranslate2 reads once per process: so in a
+    process of its own)."""
     code = (
-        "import dataclasses, json, sys, torch\n"
+        "import json, sys, torch\n"
         "from pathlib import Path\n"
         "from nmt.engine import open_engine\n"
-        "from nmt.translate import search_options\n"
-        "run, quantization, sources = json.load(sys.stdin)\n"
+        "from nmt.search import SearchOptions\n"
+        "run, quantization, sources, opts = json.load(sys.stdin)\n"
         "engine = open_engine([Path(run)], 'ctranslate2', torch.device('cpu'), "
         "quantization=quantization)\n"
-        "d = dataclasses.replace(engine.config.decode, beam=1, nbest=1)\n"
-        "out = engine.translate(sources, search_options(d, nbest=1), 6000)\n"
+        "out = engine.translate(sources, SearchOptions(**opts), 6000)\n"
         "print(json.dumps([n[0][0] if n else '' for n in out]))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code],
-        input=json.dumps([str(run), quantization, sources]),
+        input=json.dumps([str(run), quantization, sources, dataclasses.asdict(opts)]),
         env={**os.environ, "CT2_USE_MKL": "1"},
         capture_output=True,
         text=True,
         timeout=300,
-        check=True,
     )
+    assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
 
@@ -443,9 +443,9 @@ def test_quantized_exports_translate_close_to_nmt(quantization, runs, sources):
         pytest.skip(f"CTranslate2 computes no {quantization} on this CPU")
     opts = options(run, beam=1, nbest=1)
     ours = texts(nmt_engine(run).translate(sources, opts, 6000))
-    engine = open_engine([run], "ctranslate2", CPU, quantization=quantization)
+    engine = open_engine([run], "ctranslate2", CPU, quantization=quantization)  # exports the run
     if ct2_int8_saturates():
-        theirs = ct2_translations_on_mkl(run, quantization, sources)
+        theirs = ct2_translations_on_mkl(run, quantization, sources, opts)
     else:
         theirs = texts(engine.translate(sources, opts, 6000))
     assert sum(a == b for a, b in zip(ours, theirs)) >= 0.8 * len(sources)
