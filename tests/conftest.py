@@ -115,6 +115,30 @@ def tiny_run(
     return run_dir, cfg
 
 
+# -- the CPU as the kernel lists it ------------------------------------------------------------
+
+
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (vendor_id, flags, ...) as the kernel
+    lists them, an oracle independent of torch; empty where there is no such file."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():  # the first processor's fields end
+            break
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (`cpuinfo`'s flags)."""
+    return set(cpuinfo().get("flags", "").split())
+
+
 # -- the CLI in a subprocess ------------------------------------------------------------------
 
 

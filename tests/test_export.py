@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_run
+from conftest import cpu_flags, cpuinfo, tiny_run
 
 from nmt import NMTError, checkpoint
 from nmt.config import DecodeConfig
@@ -395,13 +395,9 @@ def ct2_int8_saturates() -> bool:
     weights: on a Zen 3 CPU 36 of its 100 greedy int8 translations were fp32's, 93 with MKL.
     A trained model has few (the 14-minute transformer on that CPU: BLEU 30.15 on oneDNN, 30.12
     on MKL, 30.22 in float32)."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = set(next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "").split())
+    flags = cpu_flags()
     vnni = bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
-    return "GenuineIntel" not in cpuinfo and "avx2" in flags and not vnni
+    return cpuinfo().get("vendor_id") != "GenuineIntel" and "avx2" in flags and not vnni
 
 
 def ct2_translations_on_mkl(run: Path, quantization: str, sources: list[str], opts) -> list[str]:

@@ -9,18 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cpu_flags
 
 from nmt import NMTError
 from nmt.cpu import cpu_has_int8, cpu_has_vnni
 from nmt.device import autocast, resolve_precision
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as the kernel lists them: an oracle independent of torch."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 @pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="reads /proc/cpuinfo")
