@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import io
@@ -738,3 +739,38 @@ def test_a_compiled_attention_step_traces_broadcast_products(dtype):
         torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=0)
         torch.testing.assert_close(y, y_ref, atol=3e-6, rtol=0)
     assert (w[0, :, :, 13:] == 0).all() and (w_ref[0, :, :, 13:] == 0).all()
+
+
+# torch's config copy reads its deprecated keys too (torch 2.13)
+@pytest.mark.filterwarnings("ignore:.*is deprecated and does not do anything:FutureWarning")
+def test_compiled_decoding_traces_each_graph_once(monkeypatch):
+    """`compile_decoding`'s graphs are traced once each: the floats the model reads (its
+    layer norms' eps, its embedding's norm_type) are constants from the start. Traced as
+    symbols, torch's default, each graph was traced a second time once they turned out to be
+    constants (a `TensorifyScalarRestartAnalysis`). The encoder's graph, then the first
+    step's, with compile_decoding's settings through AOT autograd but without inductor's code
+    generation (`aot_eager`), so that it compiles in seconds; the serving tests compile with
+    inductor."""
+    from torch._dynamo.utils import clear_compilation_metrics, get_compilation_metrics
+    from torch.fx.experimental import _config as shapes_config
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="aot_eager", **kw))
+    model = make("transformer-pre")
+    src, src_mask, _ = batch([5, 3], [1, 1])
+    configs = (torch._dynamo.config, torch._inductor.config, shapes_config)
+    # compile_decoding's process-wide settings: this test's only (each restored at its end)
+    with contextlib.ExitStack() as scope:
+        for config in configs:
+            scope.enter_context(config.patch(config.get_config_copy()))
+        torch._dynamo.reset()
+        clear_compilation_metrics()  # those of other tests' compiling
+        model.compile_decoding()
+        with torch.inference_mode():
+            state = model.init_state(model.encode(src, src_mask))
+            out, _ = model.step(torch.full((2,), BOS_ID), state)
+        metrics = get_compilation_metrics()
+        torch._dynamo.reset()
+    compiled = [m for m in metrics if m.graph_op_count]
+    assert len(compiled) == 2 and out.log_probs is not None, metrics
+    assert all(not m.restart_reasons for m in compiled), [m.restart_reasons for m in compiled]
