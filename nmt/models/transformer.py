@@ -451,8 +451,10 @@ class Transformer(nn.Module):
         setattr(dynamo, limit, max(getattr(dynamo, limit), COMPILED_VARIANTS))
         # floats the code reads (module attributes: a layer norm's eps, an embedding's
         # norm_type) are the graphs' constants from the start; traced as symbols (torch's
-        # default), they sent each graph back to be traced again as constants (a restart)
-        dynamo.specialize_float = True
+        # default), they sent each graph back to be traced again as constants (a restart);
+        # where this torch has the setting (an older one specializes them)
+        if hasattr(dynamo, "specialize_float"):
+            dynamo.specialize_float = True
         # the process' settings: torch.compile's `options` do not reach freezing (torch 2.13),
         # and a patch around each call would race between decoding threads
         for key, value in INDUCTOR.items():
