@@ -292,6 +292,12 @@ class DecodeProcess:
             raise JoinError(value)
         return kind, value
 
+    @property
+    def graphs_warming_up(self) -> int:
+        """The graphs the current child compiled before it was ready (its warm-up's; 0 while
+        it loads, and for a child that compiles nothing)."""
+        return self._graphs_at_ready or 0
+
     def count_graphs(self, kind: str, graphs: int) -> None:
         """Take note of the graphs the child has compiled since it started (every answer says
         how many): those before "ready" are its warm-up's; one more after it held a running

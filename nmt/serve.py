@@ -1103,11 +1103,13 @@ def create_app(
         if b is None:
             return JSONResponse({"ready": False})
         late = sum(p.graphs_while_serving for p in b.processes)
+        warm_up = sum(p.graphs_warming_up for p in b.processes)
         return JSONResponse(
             {
                 "ready": True,
                 "queued_sentences": b.queued,
                 **b.stats.as_dict(),
+                "graphs_compiled_warming_up": warm_up,
                 "graphs_compiled_while_serving": late,
             }
         )

@@ -1326,7 +1326,8 @@ def test_compile_is_checked_by_the_server_and_done_by_its_children(runs, served)
 def test_serve_compile_decodes_as_eager_and_compiles_nothing_while_serving(runs, english, served):
     """`nmt serve --compile` end to end: its decoding process compiles the tiny transformer
     (warming up on made-up sentences with the run's search settings) before the server says
-    ready. Then one sentence a request, all at once in the run's beam search, and arriving in
+    ready: two graphs, the encoder's and the step's, whatever the batch (`unbacked_batches`:
+    backed batch sizes made 6). Then one sentence a request, all at once in the run's beam search, and arriving in
     groups (joining a running batch at its next step, a batch down to one sentence) in beam 4
     with an n-best of 2 and in greedy search: each gets what eager decoding gives (fp32:
     texts, scores within 1e-4), decoded together, and no graph is compiled while serving
@@ -1347,6 +1348,7 @@ def test_serve_compile_decodes_as_eager_and_compiles_nothing_while_serving(runs,
     with nmt_server(runs["tiny"], *args, within=1800) as (_, url):
         before = get(f"{url}/stats").json()
         assert before["graphs_compiled_while_serving"] == 0  # the warm-up's are not counted
+        assert before["graphs_compiled_warming_up"] == 2
         for fields, opts, delays in cases:
             want = translate_lines(
                 engine.model, engine.tokenizer, lines, opts, d.batch_tokens, CPU, "fp32"
@@ -1390,13 +1392,14 @@ def test_a_decoding_process_counts_the_graphs_compiled_while_serving(caplog):
     process = DecodeProcess([], threads=1)
     with caplog.at_level(logging.WARNING, logger="nmt.decode_process"):
         process.count_graphs("error", 2)  # failed while it loaded: not serving
+        assert process.graphs_warming_up == 0  # not ready yet
         process.count_graphs("ready", 7)
         process.count_graphs("ok", 7)
         assert process.graphs_while_serving == 0 and not caplog.records
         process.count_graphs("ok", 8)
         process.count_graphs("ok", 8)
         process.count_graphs("error", 10)  # a failed step that compiled too
-    assert process.graphs_while_serving == 3
+    assert process.graphs_while_serving == 3 and process.graphs_warming_up == 7
     assert [r.getMessage().split(" (")[1] for r in caplog.records] == [
         "1 since it was ready): its batch waited for it; the warm-up met no batch of that shape",
         "3 since it was ready): its batch waited for it; the warm-up met no batch of that shape",

@@ -16,6 +16,8 @@ KEY_CHUNK positions (zeros, masked) so that attention keeps a few shapes
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -200,7 +202,7 @@ class CrossAttention(nn.Module):
         q = self.q(x).view(b, w, self.heads, d // self.heads).transpose(1, 2)  # [B,H,w,Dh]
         y, weights = attend_step(q, k, v, mask)  # [B,H,w,Dh], [B,H,w,S]
         y = y.transpose(1, 2).reshape(n, 1, d)
-        return self.out(y), weights.transpose(1, 2).reshape(n, self.heads, -1)
+        return self.out(y), weights.transpose(1, 2).reshape(n, self.heads, weights.size(-1))
 
 
 class FeedForward(nn.Module):
@@ -348,6 +350,40 @@ def compiled_layers(
     return torch.log_softmax(logits.float(), -1), weights, extended
 
 
+def unbacked_batches(fn: Callable, args: tuple) -> None:
+    """The batch sizes of a compiled call's tensors marked unbacked (`mark_unbacked`): sizes
+    the graph never compares with 1, as inductor's own lowering of a view of a strided buffer
+    (a chunk of the fused QKV projection, the heads merged) compares backed sizes, however
+    size-oblivious the trace (`SHAPES`, torch 2.13). Backed, a batch of one sentence, and a
+    step of one hypothesis per sentence or one row, made graphs of their own: 6 in
+    `NMTEngine.warm_up`, not 2. Tensors of one size share one symbol (`shape_id`): the
+    sentences, a step's rows, and the caches' rows before it (the rows of the last step).
+    Marks only: 1.7 us a tensor, about 30 a step of 6 layers. Not where this torch's
+    `mark_unbacked` has no `shape_id` (an older one): there the graphs stay backed."""
+    mark = unbacked_marker()
+    if mark is None:
+        return
+    if fn is encode_and_start:  # src [B,S], src_mask [B,S]
+        groups = {"sentences": args}
+    else:  # compiled_layers
+        x, caches, sources, keys_mask, rows, lengths = args
+        groups = {"rows": [x, rows, lengths], "cached": caches, "sentences": [*sources, keys_mask]}
+    for shape_id, tensors in groups.items():
+        for t in tensors:
+            mark(t, 0, shape_id=shape_id)
+
+
+@functools.cache
+def unbacked_marker() -> Callable | None:
+    """torch's `mark_unbacked` where it takes a `shape_id`, else None."""
+    from torch._dynamo import decorators
+
+    mark = getattr(decorators, "mark_unbacked", None)
+    if mark is None or "shape_id" not in inspect.signature(mark).parameters:
+        return None
+    return mark
+
+
 def encode_source(model: Transformer, src: Tensor, src_mask: Tensor) -> State:
     """`Transformer.encode`: the encoder's memory [B,S,D] of src[B,S]."""
     positions = torch.arange(src.size(1), device=src.device)
@@ -441,9 +477,9 @@ class Transformer(nn.Module):
         log-softmax of a step (`compiled_layers`), each one graph over dynamic shapes with the
         weights frozen into it (inductor's freezing) and a C++ wrapper. Call it only on a model
         whose weights no longer change (one loaded to decode): the graphs hold the weights as
-        constants. The first calls compile, seconds to minutes each; a batch of one sentence and
-        a step of one hypothesis per sentence make graphs of their own (`NMTEngine.warm_up`
-        meets them all). The same translations as eager decoding up to rounding."""
+        constants. The first calls compile, seconds to minutes each; the batch sizes are unbacked
+        (`unbacked_batches`), so a batch of one sentence or a step of one hypothesis per
+        sentence uses the same two graphs (`NMTEngine.warm_up` meets them). The same translations as eager decoding up to rounding."""
         from torch.fx.experimental import _config as shapes_config
 
         dynamo = torch._dynamo.config
@@ -474,7 +510,11 @@ class Transformer(nn.Module):
 
     def _call(self, fn: Callable, *args: object) -> object:
         """fn(self, *args), compiled once `compile_decoding` has compiled it."""
-        return (self._compiled or {}).get(fn, fn)(self, *args)
+        compiled = (self._compiled or {}).get(fn)
+        if compiled is None:
+            return fn(self, *args)
+        unbacked_batches(fn, args)
+        return compiled(self, *args)
 
     def _embed(self, embed: Embedding, ids: Tensor, positions: Tensor) -> Tensor:
         return self.dropout(embed(ids) + self.positions(positions))  # [B,T,D]
