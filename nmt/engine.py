@@ -187,9 +187,10 @@ class NMTEngine:
         compiled code (`compile_decoding`) makes its graphs now rather than during the first
         requests: batches of several and one sentence alone (a batch of one, and a step of one
         hypothesis per sentence, made graphs of their own before the batch sizes were
-        unbacked: still met, should a torch without `shape_id` trace them backed), then sentences joining one at a
-        time and leaving. Test sentences streamed after it make no graph more (tests).
-        `progress()` after every step: the longest silence is one graph's compiling."""
+        unbacked: still met, should a torch without `shape_id` trace them backed), then
+        sentences joining one at a time and leaving. Test sentences streamed after it make no
+        graph more (tests). `progress()` after every step: the longest silence is one graph's
+        compiling."""
         words = "the man in a red shirt is riding his bike down the street near two dogs".split()
         lines = [" ".join(itertools.islice(itertools.cycle(words), n)) for n in WARM_UP]
         with self.held():

@@ -1327,11 +1327,12 @@ def test_serve_compile_decodes_as_eager_and_compiles_nothing_while_serving(runs,
     """`nmt serve --compile` end to end: its decoding process compiles the tiny transformer
     (warming up on made-up sentences with the run's search settings) before the server says
     ready: two graphs, the encoder's and the step's, whatever the batch (`unbacked_batches`:
-    backed batch sizes made 6). Then one sentence a request, all at once in the run's beam search, and arriving in
-    groups (joining a running batch at its next step, a batch down to one sentence) in beam 4
-    with an n-best of 2 and in greedy search: each gets what eager decoding gives (fp32:
-    texts, scores within 1e-4), decoded together, and no graph is compiled while serving
-    (`/stats`; a graph compiled under a server's load held requests for tens of seconds)."""
+    backed batch sizes made 6). Then one sentence a request, all at once in the run's beam
+    search, and arriving in groups (joining a running batch at its next step, a batch down to
+    one sentence) in beam 4 with an n-best of 2 and in greedy search: each gets what eager
+    decoding gives (fp32: texts, scores within 1e-4), decoded together, and no graph is
+    compiled while serving (`/stats`; a graph compiled under a server's load held requests for
+    tens of seconds)."""
     engine, d = served[0].engine, served[0].engine.config.decode
     lines = sorted(english[:32], key=len)[::2]  # 16 of clearly different lengths
     groups = [1, 2, 3, 1, 1, 2, 4, 1, 1]  # arrivals 30 ms apart, a group at once

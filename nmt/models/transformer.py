@@ -477,9 +477,10 @@ class Transformer(nn.Module):
         log-softmax of a step (`compiled_layers`), each one graph over dynamic shapes with the
         weights frozen into it (inductor's freezing) and a C++ wrapper. Call it only on a model
         whose weights no longer change (one loaded to decode): the graphs hold the weights as
-        constants. The first calls compile, seconds to minutes each; the batch sizes are unbacked
-        (`unbacked_batches`), so a batch of one sentence or a step of one hypothesis per
-        sentence uses the same two graphs (`NMTEngine.warm_up` meets them). The same translations as eager decoding up to rounding."""
+        constants. The first calls compile, seconds to minutes each; the batch sizes are
+        unbacked (`unbacked_batches`), so a batch of one sentence or a step of one hypothesis
+        per sentence uses the same two graphs (`NMTEngine.warm_up` meets them). The same
+        translations as eager decoding up to rounding."""
         from torch.fx.experimental import _config as shapes_config
 
         dynamo = torch._dynamo.config
