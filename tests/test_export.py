@@ -203,8 +203,8 @@ def test_a_line_without_source_pieces_translates_to_an_empty_line_on_both_engine
     assert engine.tokenizer.encode_src(["\u200b\u200b"]) == [[]]
     lines = [sources[0], "\u200b", " \u200b\u200b ", "", sources[1]]
     alone = texts(engine.translate([sources[0], sources[1]], opts, 6000))
-    # nmt in fp32 as `alone` (its default, `auto`, is bf16 on CPUs with native bf16)
-    engines = {"nmt": nmt_engine(run), "ctranslate2": open_engine([run], "ctranslate2", CPU)}
+    # nmt in fp32, the engine of `alone` (its default, `auto`, is bf16 on CPUs with native bf16)
+    engines = {"nmt": engine, "ctranslate2": open_engine([run], "ctranslate2", CPU)}
     for name, other in engines.items():
         got = texts(other.translate(lines, opts, 6000))
         assert got == [alone[0], "", "", "", alone[1]], name
